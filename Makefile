@@ -1,0 +1,36 @@
+# `make help` lists the targets. Every target installs the virtual environment first if needed.
+PY := .venv/bin/python
+STAMP := .venv/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
+SWEEP ?= runs/an4_cpu
+
+.PHONY: help venv test test-slow smoke reproduce-an4 report bench clean
+
+help: ## list the targets
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-15s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install --quiet -e '.[dev]' && rm -f .venv/.installed-* && touch $@
+
+venv: $(STAMP) ## create .venv and install the package with its dev extras
+
+test: $(STAMP) ## the fast test suite (no GPU, no real corpus)
+	$(PY) -m pytest
+
+test-slow: $(STAMP) ## the slow lane: the real AN4 archive (AN4_ARCHIVE=path) and longer runs
+	$(PY) -m pytest -m slow
+
+smoke: $(STAMP) ## one tiny run on a generated corpus, under a minute
+	$(PY) src/run.py experiment=smoke
+
+reproduce-an4: $(STAMP) ## prepare AN4 and run the whole grid (gru,lstm x 5 bn), then the report
+	bash experiments/reproduce_an4.sh
+
+report: $(STAMP) ## rebuild report.md and plots from a sweep folder: make report SWEEP=runs/an4_cpu
+	$(PY) -m batchrnn.report $(SWEEP)
+
+bench: $(STAMP) ## forward+backward time and memory of every variant against bn=none
+	$(PY) experiments/bench_rnn.py
+
+clean: ## remove the virtual environment (keeps data/ and runs/)
+	rm -rf .venv

@@ -1,0 +1,128 @@
+"""Forward plus backward time and peak memory of every model.bn variant and implementation against
+bn=none of the same rnn, in one process with the variants' runs interleaved, so slow drift of the
+machine (other load, turbo, thermal) hits every variant alike.
+
+    python experiments/bench_rnn.py                       # batch 16, 200 frames, 3 layers, hidden 256
+    python experiments/bench_rnn.py --device cuda --hidden 1024 --layers 5
+
+Prints a table, then one JSON line per row: rnn, bn, impl, ms, peak_mb, time_ratio, mem_ratio.
+Memory: CUDA max allocated on a GPU; on the CPU the profiler's peak of live tensor bytes. Both count
+the parameters and the input plus everything the step allocates.
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from batchrnn.config import BNMode, Impl  # noqa: E402
+from batchrnn.model import build_recurrent_layer  # noqa: E402
+
+VARIANTS = [(bn, Impl.fused) for bn in BNMode] + [(BNMode.seqwise, Impl.cells)]
+
+
+class Stack(nn.Module):
+    def __init__(self, rnn, bn, impl, args):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            build_recurrent_layer(rnn, bn.value, args.hidden, args.hidden, impl=impl.value) for _ in range(args.layers)
+        )
+
+    def forward(self, x, lengths):
+        for layer in self.layers:
+            x = layer(x, lengths)
+        return x
+
+
+def step(model, x, lengths):
+    model(x, lengths).square().mean().backward()
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def static_bytes(model, x) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + x.numel() * x.element_size()
+
+
+def peak_mb(model, x, lengths, device) -> float:
+    model.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step(model, x, lengths)
+        sync(device)
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(model, x, lengths)
+    live = peak = 0  # allocations sit on op events, frees on "[memory]" events, in time order
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += e.self_cpu_memory_usage
+        peak = max(peak, live)
+    return (static_bytes(model, x) + peak) / 2**20
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rnn", default="gru,lstm", help="comma-separated rnn types")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--frames", type=int, default=200)
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--ragged", action="store_true", help="lengths spread over [frames/2, frames]")
+    p.add_argument("--repeats", type=int, default=10, help="timed rounds; each times every variant once")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: torch's default)")
+    p.add_argument("--no-cells", action="store_true", help="skip the slow cell reference")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    x = torch.randn(args.frames, args.batch, args.hidden, device=device)
+    lengths = torch.full((args.batch,), args.frames, device=device)
+    if args.ragged:
+        lengths = torch.linspace(args.frames // 2, args.frames, args.batch, device=device).long()
+    variants = [v for v in VARIANTS if not (args.no_cells and v[1] is Impl.cells)]
+    rows = []
+    for rnn in args.rnn.split(","):
+        models = {v: Stack(rnn, *v, args).to(device).train() for v in variants}
+        times = {v: [] for v in variants}
+        for r in range(args.warmup + args.repeats):
+            for v, model in models.items():  # interleaved: each round times every variant once
+                model.zero_grad(set_to_none=True)
+                sync(device)
+                start = time.perf_counter()
+                step(model, x, lengths)
+                sync(device)
+                if r >= args.warmup:
+                    times[v].append(time.perf_counter() - start)
+        mem = {v: peak_mb(m, x, lengths, device) for v, m in models.items()}
+        base = (BNMode.none, Impl.fused)
+        for v in variants:
+            ms = 1000 * statistics.median(times[v])
+            rows.append({"rnn": rnn, "bn": v[0].value, "impl": v[1].value, "ms": round(ms, 2),
+                         "peak_mb": round(mem[v], 1), "time_ratio": round(ms / (1000 * statistics.median(times[base])), 3),
+                         "mem_ratio": round(mem[v] / mem[base], 3)})
+    print(f"device {device} ({torch.get_num_threads()} threads), torch {torch.__version__}, batch {args.batch}, "
+          f"frames {args.frames}, layers {args.layers}, hidden {args.hidden}, bidirectional, "
+          f"{'ragged' if args.ragged else 'full'} lengths, median of {args.repeats} interleaved rounds")
+    print(f"{'rnn':5} {'bn':8} {'impl':6} {'ms':>9} {'peak MB':>9} {'time x':>7} {'mem x':>7}")
+    for r in rows:
+        print(f"{r['rnn']:5} {r['bn']:8} {r['impl']:6} {r['ms']:9.1f} {r['peak_mb']:9.1f} "
+              f"{r['time_ratio']:7.2f} {r['mem_ratio']:7.2f}")
+    for r in rows:
+        print(json.dumps(r | {"device": device.type}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,388 @@
+"""The study report: one table, a paired bootstrap against `none`, three plots, from a sweep's results.
+
+    python -m batchrnn.report SWEEP_DIR [--out DIR]    # writes report.md, report.json and *.png
+"""
+import argparse
+import json
+import math
+import sys
+import warnings
+from collections import defaultdict
+from pathlib import Path
+
+import jiwer
+import numpy as np
+
+from batchrnn.config import BNMode, Impl, RNNType
+
+RNN_ORDER = [r.value for r in RNNType]
+BN_ORDER = [b.value for b in BNMode]  # none, post, input, skip, seqwise
+IMPL_ORDER = [i.value for i in Impl]
+BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED = 1000, 0
+PLOTS = ("val_wer.png", "wer_vs_time.png", "peak_mem.png")
+
+
+# ----------------------------------------------------------------------------------------------------
+# reading
+
+
+def variant(result: dict) -> tuple[str, str, str]:
+    """(rnn, bn, impl) from the top-level keys, or the config's model section in older files."""
+    model = result.get("config", {}).get("model", {})
+    return tuple(result.get(k, model.get(k)) for k in ("rnn", "bn", "impl"))
+
+
+def label(key: tuple[str, str, str]) -> str:
+    rnn, bn, impl = key
+    return f"{rnn}-{bn}" + ("" if impl == Impl.fused.value else f"-{impl}")
+
+
+def sort_key(key: tuple[str, str, str]) -> tuple:
+    def rank(order, x):
+        return (order.index(x), x) if x in order else (len(order), x)
+
+    return rank(RNN_ORDER, key[0]), rank(BN_ORDER, key[1]), rank(IMPL_ORDER, key[2])
+
+
+def load_results(sweep_dir: Path) -> tuple[list[dict], list[dict], list[Path]]:
+    """(finished, running, skipped) results under sweep_dir; unreadable files warn and are skipped."""
+    finished, running, skipped = [], [], []
+    for path in sorted(sweep_dir.rglob("results.json")):
+        try:
+            result = json.loads(path.read_text())
+            if not isinstance(result, dict) or None in variant(result):
+                raise ValueError("not a results file with rnn, bn and impl")
+        except (OSError, ValueError) as e:  # JSONDecodeError is a ValueError
+            warnings.warn(f"skipping {path}: {e}; rerun that run or delete the file", stacklevel=2)
+            skipped.append(path)
+            continue
+        (finished if result.get("status") == "finished" else running).append(result)
+    return finished, running, skipped
+
+
+# ----------------------------------------------------------------------------------------------------
+# statistics
+
+
+def mean_std(values: list) -> tuple[float, float]:
+    """Mean and sample std across seeds (std NaN for a single seed); NaN for no values."""
+    x = np.array([v for v in values if v is not None], dtype=float)
+    x = x[~np.isnan(x)]
+    if not len(x):
+        return math.nan, math.nan
+    return float(x.mean()), float(x.std(ddof=1)) if len(x) > 1 else math.nan
+
+
+def utterance_errors(result: dict) -> dict[str, tuple[int, int]]:
+    """{utterance id: (word errors, reference words)} from a run's per-utterance test outputs."""
+    out = {}
+    for u in result.get("test_utterances") or []:
+        ref, hyp = u["ref"], u["hyp"]
+        if not ref.split():  # jiwer refuses an empty reference; every hypothesis word is an insertion
+            out[u["id"]] = (len(hyp.split()), 0)
+            continue
+        w = jiwer.process_words(ref, hyp)
+        errors = w.substitutions + w.deletions + w.insertions
+        out[u["id"]] = (errors, w.hits + w.substitutions + w.deletions)
+    return out
+
+
+def pooled_errors(runs: list[dict]) -> dict[str, tuple[float, int]]:
+    """Per-utterance word errors averaged over seeds, on the utterances every seed decoded."""
+    per_run = [utterance_errors(r) for r in runs]
+    per_run = [p for p in per_run if p]
+    if not per_run:
+        return {}
+    ids = set.intersection(*(set(p) for p in per_run))
+    return {u: (float(np.mean([p[u][0] for p in per_run])), per_run[0][u][1]) for u in sorted(ids)}
+
+
+def paired_bootstrap(variant_runs: list[dict], none_runs: list[dict]) -> tuple[float, float, float] | None:
+    """WER difference variant - none (fraction) and its 95% CI, resampling test utterances in pairs."""
+    v, n = pooled_errors(variant_runs), pooled_errors(none_runs)
+    ids = sorted(set(v) & set(n))
+    if not ids:
+        return None
+    ev = np.array([v[u][0] for u in ids])
+    en = np.array([n[u][0] for u in ids])
+    ref = np.array([n[u][1] for u in ids], dtype=float)
+    # The same resampled utterances for both systems: that pairing is what makes the test sensitive.
+    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    idx = rng.integers(0, len(ids), size=(BOOTSTRAP_RESAMPLES, len(ids)))
+    refs = np.maximum(ref[idx].sum(1), 1.0)
+    diffs = (ev[idx].sum(1) - en[idx].sum(1)) / refs
+    lo, hi = np.percentile(diffs, [2.5, 97.5])
+    return float((ev.sum() - en.sum()) / max(ref.sum(), 1.0)), float(lo), float(hi)
+
+
+def aggregate(finished: list[dict]) -> list[dict]:
+    """One row per (rnn, bn, impl): means and stds over seeds, ratios and the bootstrap vs none."""
+    groups = defaultdict(list)
+    for r in finished:
+        groups[variant(r)].append(r)
+    rows = []
+    for key in sorted(groups, key=sort_key):
+        runs = groups[key]
+        row = dict(zip(("rnn", "bn", "impl"), key), label=label(key), n=len(runs),
+                   seeds=sorted(r.get("seed") for r in runs if r.get("seed") is not None))
+        for name in ("test_wer", "test_cer", "best_val_wer", "epoch_time_s", "peak_mem_mb"):
+            row[name], row[f"{name}_std"] = mean_std([r.get(name) for r in runs])
+        row["params"] = mean_std([r.get("params") for r in runs])[0]  # the same for every seed
+        rows.append(row)
+    by_key = {(r["rnn"], r["bn"], r["impl"]): r for r in rows}
+    for row in rows:
+        none = by_key.get((row["rnn"], BNMode.none.value, Impl.fused.value))
+        # Ratios of means, both measured in this sweep: the cost of a placement over no BN.
+        for name, ratio in (("epoch_time_s", "time_ratio"), ("peak_mem_mb", "mem_ratio")):
+            row[ratio] = row[name] / none[name] if none and none[name] else math.nan
+        test = None
+        if none and row is not none:
+            test = paired_bootstrap(groups[(row["rnn"], row["bn"], row["impl"])],
+                                    groups[(none["rnn"], none["bn"], none["impl"])])
+        row["dwer"], row["dwer_lo"], row["dwer_hi"] = test or (math.nan,) * 3
+        row["significant"] = bool(test and (test[1] > 0 or test[2] < 0))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------
+# plots
+
+
+def bn_colors() -> dict[str, str]:
+    """One colour per BN placement, the same in every plot."""
+    return {bn: f"C{i}" for i, bn in enumerate(BN_ORDER)}
+
+
+def plot_val_wer(results: list[dict], path: Path) -> None:
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    by_rnn = defaultdict(lambda: defaultdict(list))
+    for r in results:
+        key = variant(r)
+        epochs = r.get("epochs") or []
+        by_rnn[key[0]][key].append({e["epoch"]: 100 * e["val_wer"] for e in epochs
+                                    if e.get("epoch") is not None and e.get("val_wer") is not None})
+    rnns = sorted(by_rnn, key=lambda x: sort_key((x, "", "")))
+    fig, axes = plt.subplots(1, len(rnns), figsize=(5 * len(rnns), 4), squeeze=False, sharey=True)
+    colors = bn_colors()
+    for ax, rnn in zip(axes[0], rnns):
+        for key in sorted(by_rnn[rnn], key=sort_key):
+            curves = by_rnn[rnn][key]
+            epochs = sorted(set().union(*curves))
+            if not epochs:
+                continue
+            # Mean over the seeds that reached each epoch: running runs stop early, so n varies.
+            values = [[c[e] for c in curves if e in c] for e in epochs]
+            style = dict(color=colors.get(key[1]), linestyle="-" if key[2] == Impl.fused.value else "--")
+            ax.plot(epochs, [np.mean(v) for v in values], label=label(key)[len(rnn) + 1:], **style)
+            if len(curves) > 1:
+                ax.fill_between(epochs, [min(v) for v in values], [max(v) for v in values],
+                                alpha=0.15, color=style["color"], linewidth=0)
+        ax.set(title=rnn, xlabel="epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("validation WER %")
+    fig.suptitle("Validation WER per epoch (mean over seeds, band: min-max)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_wer_vs_time(rows: list[dict], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    colors, markers = bn_colors(), dict(zip(RNN_ORDER, "osD"))
+    for row in rows:
+        x, y, color = row["epoch_time_s"], 100 * row["test_wer"], colors.get(row["bn"])
+        # Marker shape: rnn; colour: BN placement; hollow: the cells implementation.
+        xerr, yerr = np.nan_to_num(row["epoch_time_s_std"]), np.nan_to_num(100 * row["test_wer_std"])
+        ax.errorbar(x, y, xerr=xerr, yerr=yerr, marker=markers.get(row["rnn"], "^"), color=color, capsize=2,
+                    elinewidth=0.8, markerfacecolor=color if row["impl"] == Impl.fused.value else "none")
+        ax.annotate(row["label"], (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    times = [r["epoch_time_s"] for r in rows if r["epoch_time_s"] > 0]
+    if times and max(times) > 5 * min(times):  # the cells reference is tens of times slower than fused
+        ax.set_xscale("log")
+    ax.margins(x=0.15)  # room for the labels of the rightmost points
+    ax.set(xlabel="epoch time s", ylabel="test WER %", title="Test WER against epoch time (mean ± std)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_peak_mem(rows: list[dict], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    # Bars grouped by rnn with a gap between groups, coloured by BN placement.
+    x, positions, rnn = 0, [], None
+    for row in rows:
+        x += 1 if row["rnn"] == rnn or rnn is None else 2
+        rnn = row["rnn"]
+        positions.append(x)
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * x + 2), 4.5))
+    colors = bn_colors()
+    ax.bar(positions, [r["peak_mem_mb"] for r in rows], color=[colors.get(r["bn"]) for r in rows],
+           yerr=[np.nan_to_num(r["peak_mem_mb_std"]) for r in rows], capsize=3)
+    ax.set_xticks(positions, [r["label"] for r in rows], rotation=45, ha="right", fontsize=8)
+    ax.set(ylabel="peak memory MB", title="Peak memory per variant (mean over seeds)")
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------------
+# writing
+
+
+def fmt(row: dict, name: str, scale: float = 1.0, digits: int = 1) -> str:
+    """row[name] as "mean ± std" (the std from row[name + "_std"] when there is one), "–" when missing."""
+    mean, std = row[name], row.get(f"{name}_std", math.nan)
+    if mean is None or math.isnan(mean):
+        return "–"
+    s = f"{scale * mean:,.{digits}f}"
+    return s if math.isnan(std) else f"{s} ± {scale * std:,.{digits}f}"
+
+
+def fmt_dwer(row: dict) -> str:
+    if math.isnan(row["dwer"]):
+        return "–" if row["bn"] != BNMode.none.value else "(baseline)"
+    s = f"{100 * row['dwer']:+.1f} [{100 * row['dwer_lo']:+.1f}, {100 * row['dwer_hi']:+.1f}]"
+    return f"{s} *" if row["significant"] else s
+
+
+def table(rows: list[dict]) -> list[str]:
+    head = ["rnn", "bn", "impl", "n", "test WER %", "test CER %", "best val WER %", "epoch time s",
+            "peak mem MB", "time × none", "mem × none", "params", "ΔWER vs none [95% CI]"]
+    # Bold the best test WER within each rnn: the study compares placements for one cell type.
+    best = {}
+    for row in rows:
+        if not math.isnan(row["test_wer"]) and row["test_wer"] < best.get(row["rnn"], math.inf):
+            best[row["rnn"]] = row["test_wer"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 3 + "---:|" * (len(head) - 3)]
+    for row in rows:
+        wer = fmt(row, "test_wer", 100)
+        cells = [row["rnn"], row["bn"], row["impl"], str(row["n"]),
+                 f"**{wer}**" if row["test_wer"] == best.get(row["rnn"]) else wer,
+                 fmt(row, "test_cer", 100), fmt(row, "best_val_wer", 100), fmt(row, "epoch_time_s"),
+                 fmt(row, "peak_mem_mb", digits=0), fmt(row, "time_ratio", digits=2),
+                 fmt(row, "mem_ratio", digits=2), fmt(row, "params", digits=0), fmt_dwer(row)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def significance(rows: list[dict]) -> str:
+    tested = [r for r in rows if not math.isnan(r["dwer"])]
+    if not tested:
+        return "No paired comparison: no variant has per-utterance test outputs beside its `none` baseline."
+    sig = [r for r in tested if r["significant"]]
+    if not sig:
+        return f"No WER difference to `none` is significant (all {len(tested)} 95% intervals include 0)."
+    parts = [f"{r['label']} ({100 * r['dwer']:+.1f} points, {'better' if r['dwer'] < 0 else 'worse'})"
+             for r in sig]
+    return (f"Significant at 95% (interval excludes 0, marked *): {', '.join(parts)}; "
+            f"not significant: {len(tested) - len(sig)} of {len(tested)}.")
+
+
+def distinct(results: list[dict], key: str) -> str:
+    values = sorted({str(r[key]) for r in results if r.get(key) is not None})
+    return ", ".join(values) or "unknown"
+
+
+def json_ready(x):
+    """NaN becomes null: report.json stays strict JSON."""
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, dict):
+        return {k: json_ready(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [json_ready(v) for v in x]
+    return x
+
+
+HOW_TO_READ = f"""\
+Each row is one variant (rnn, BN placement, implementation); values are the mean ± sample std over its
+n seeds (no ± for a single seed). Test WER is that of the epoch with the best validation WER; the best
+test WER of each rnn is in bold. Time and memory ratios divide by the `none` row of the same rnn: they
+were measured in this sweep on one machine, so they rank the variants' costs but do not transfer to other
+hardware (peak memory is CUDA max allocated on a GPU, process peak RSS on the CPU). ΔWER is variant minus
+`none` in WER points, with a 95% paired bootstrap interval over test utterances ({BOOTSTRAP_RESAMPLES}
+resamples, seeds pooled by averaging each utterance's word errors); * marks an interval that excludes 0.
+"""
+
+
+def header(finished: list[dict], running: list[dict], skipped: list[Path]) -> list[str]:
+    everything = finished + running
+    devices = distinct(everything, "device")
+    lines = [
+        f"# Study report: {distinct(everything, 'study')}",
+        "",
+        f"- Preset: {distinct(everything, 'preset')}",
+        f"- Device: {devices}; torch {distinct(everything, 'torch_version')}",
+        f"- Runs: {len(finished)} finished, {len(running)} still running (in the per-epoch plot only)"
+        + (f", {len(skipped)} unreadable and skipped" if skipped else ""),
+    ]
+    if "cpu" in devices.split(", "):
+        lines.append("- The CPU-sized preset was used: a small model and few epochs, so absolute WERs are "
+                     "far above full-size DS2 numbers; compare variants with each other, not with the "
+                     "literature.")
+    return lines
+
+
+def write_report(sweep_dir: Path, out_dir: Path | None = None) -> Path:
+    """Writes report.md, report.json and the PNGs for the results.json files under sweep_dir (default
+    out_dir: sweep_dir); returns the path of report.md."""
+    sweep_dir = Path(sweep_dir)
+    if not sweep_dir.is_dir():
+        raise FileNotFoundError(f"{sweep_dir}: no such folder; pass the folder that holds the sweep's runs")
+    finished, running, skipped = load_results(sweep_dir)
+    if not finished and not running:
+        raise FileNotFoundError(f"{sweep_dir}: no readable results.json under it; has any run started?")
+    out_dir = Path(out_dir) if out_dir else sweep_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers and in CI
+    rows = aggregate(finished)
+
+    plot_val_wer(finished + running, out_dir / "val_wer.png")
+    plots = ["val_wer.png"]
+    if rows:
+        plot_wer_vs_time(rows, out_dir / "wer_vs_time.png")
+        plot_peak_mem(rows, out_dir / "peak_mem.png")
+        plots += ["wer_vs_time.png", "peak_mem.png"]
+
+    lines = header(finished, running, skipped) + ["", "## How to read", "", HOW_TO_READ, "## Results", ""]
+    lines += table(rows) + ["", significance(rows)] if rows else ["No finished runs yet."]
+    lines += ["", "## Plots", ""] + [f"![{p.removesuffix('.png')}]({p})" for p in plots]
+    report = out_dir / "report.md"
+    report.write_text("\n".join(lines) + "\n")
+
+    everything = finished + running
+    summary = {"sweep_dir": str(sweep_dir), "study": distinct(everything, "study"),
+               "preset": distinct(everything, "preset"), "devices": distinct(everything, "device"),
+               "finished": len(finished), "running": len(running), "skipped": [str(p) for p in skipped],
+               "rows": rows}
+    (out_dir / "report.json").write_text(json.dumps(json_ready(summary), indent=2) + "\n")
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sweep_dir", type=Path, help="the sweep's folder (searched recursively)")
+    parser.add_argument("--out", type=Path, help="where to write the report (default: SWEEP_DIR)")
+    args = parser.parse_args(argv)
+    warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"
+    try:
+        path = write_report(args.sweep_dir, args.out)
+    except FileNotFoundError as e:
+        sys.exit(f"error: {e}")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""The trainer: one variant on one corpus with CTC; per-epoch metrics, checkpoints, results.json.
+
+A run lives in one folder. Restarted with the same folder it resumes from its last complete epoch;
+a finished run is left alone unless train.rerun=true.
+"""
+import json
+import logging
+import math
+import random
+import resource
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from batchrnn.config import Device, Impl, to_container, validate
+from batchrnn.data import prepare_corpus
+from batchrnn.features import FeatureSet, collate, load_features, make_batches
+from batchrnn.metrics import error_rates
+from batchrnn.storage import atomic_write, write_json
+from batchrnn.model import DeepSpeech2
+from batchrnn.text import LABELS, greedy_decode
+from batchrnn.tracking import start_tracking
+
+log = logging.getLogger(__name__)
+CHECKPOINT, BEST, RESULTS = "checkpoint.pt", "best.pt", "results.json"
+
+
+def pick_device(choice: Device) -> torch.device:
+    if Device(choice) is Device.cuda and not torch.cuda.is_available():
+        raise RuntimeError("train.device=cuda but CUDA is not available; use train.device=auto or cpu")
+    if Device(choice) is Device.cpu or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda")
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """CUDA: max allocated by tensors since the last reset. CPU: the process's peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def ctc_feasible(model: DeepSpeech2, fs: FeatureSet) -> list[bool]:
+    """CTC needs at least one output frame per label, plus a blank between repeated letters."""
+    frames = model.front_end.output_lengths(torch.tensor(fs.lengths)).tolist()
+    need = [len(t) + sum(a == b for a, b in zip(t, t[1:])) for t in fs.texts]
+    return [n <= f for n, f in zip(need, frames)]
+
+
+class Trainer:
+    def __init__(self, cfg: DictConfig, out_dir: Path):
+        validate(cfg)
+        self.cfg, self.out_dir = cfg, Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        t = cfg.train
+        if t.threads > 0:
+            torch.set_num_threads(t.threads)
+        self.device = pick_device(t.device)
+        self.amp = t.amp and self.device.type == "cuda"
+        seed_everything(cfg.seed)
+
+        corpus = prepare_corpus(cfg.data)
+        self.corpus_summary = corpus.summary
+        self.sets = {s: load_features(corpus, s, cfg.data) for s in ("train", "val", "test")}
+        num_features = self.sets["train"].num_features
+        self.model = DeepSpeech2(cfg.model, num_features, len(LABELS)).to(self.device)
+        self.params = sum(p.numel() for p in self.model.parameters())
+
+        feasible = ctc_feasible(self.model, self.sets["train"])
+        self.train_indices = [i for i, ok in enumerate(feasible) if ok]
+        self.ctc_skipped = [self.sets["train"].ids[i] for i, ok in enumerate(feasible) if not ok]
+        if self.ctc_skipped:
+            log.warning("%d training utterances have more labels than the model's output frames allow "
+                        "for CTC and are left out of training: %s", len(self.ctc_skipped), self.ctc_skipped[:10])
+
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+        self.ctc = torch.nn.CTCLoss(blank=0, zero_infinity=True)
+        self.epoch, self.step, self.history = 0, 0, []
+        self.best = {"val_wer": math.inf, "epoch": 0}
+        self.skipped_steps = 0
+
+    # --- persistence -------------------------------------------------------------------------
+    def save_checkpoint(self) -> None:
+        state = {
+            "model": self.model.state_dict(), "opt": self.opt.state_dict(), "epoch": self.epoch,
+            "step": self.step, "history": self.history, "best": self.best, "skipped_steps": self.skipped_steps,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        }
+        atomic_write(self.out_dir / CHECKPOINT, lambda tmp: torch.save(state, tmp))
+
+    def resume(self) -> bool:
+        path = self.out_dir / CHECKPOINT
+        if not path.exists():
+            return False
+        try:
+            state = torch.load(path, map_location=self.device, weights_only=False)
+        except Exception as e:  # a checkpoint is only renamed into place once complete, so this is real damage
+            raise RuntimeError(f"{path} is unreadable ({e}); delete it to start this run afresh") from e
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["opt"])
+        self.epoch, self.step, self.history = state["epoch"], state["step"], state["history"]
+        self.best, self.skipped_steps = state["best"], state["skipped_steps"]
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        log.info("resumed %s at epoch %d", self.out_dir, self.epoch)
+        return True
+
+    # --- training ------------------------------------------------------------------------------
+    def lr_at(self, epoch: int, step: int) -> float:
+        t = self.cfg.train
+        warmup = min(1.0, (step + 1) / t.warmup_steps) if t.warmup_steps > 0 else 1.0
+        return t.lr * warmup * t.lr_gamma ** (epoch - 1)
+
+    def batch_to_device(self, batch):
+        return [b.to(self.device, non_blocking=True) for b in batch]
+
+    def loss_of(self, x, x_lens, y, y_lens):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+            logits, out_lens = self.model(x, x_lens)
+        log_probs = logits.float().log_softmax(-1)
+        return self.ctc(log_probs, y, out_lens, y_lens), log_probs, out_lens
+
+    def train_epoch(self) -> dict:
+        t, fs = self.cfg.train, self.sets["train"]
+        self.model.train()
+        lengths = [fs.lengths[i] for i in self.train_indices]
+        shuffle = not (t.sortagrad and self.epoch == 1)
+        batches = [[self.train_indices[i] for i in b]
+                   for b in make_batches(lengths, t.batch_size, shuffle, seed=self.cfg.seed * 1000 + self.epoch)]
+        total, count = 0.0, 0
+        bar = tqdm(batches, desc=f"epoch {self.epoch}", unit="batch", leave=False, mininterval=2)
+        for indices in bar:
+            for group in self.opt.param_groups:
+                group["lr"] = self.lr_at(self.epoch, self.step)
+            x, x_lens, y, y_lens = self.batch_to_device(collate(fs, indices))
+            loss, _, _ = self.loss_of(x, x_lens, y, y_lens)
+            self.opt.zero_grad(set_to_none=True)
+            if torch.isfinite(loss):
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
+            if not torch.isfinite(loss) or not torch.isfinite(grad_norm):
+                self.skipped_steps += 1  # a non-finite step would poison AdamW's moments for good
+                log.warning("epoch %d step %d: non-finite loss or gradient, step skipped", self.epoch, self.step)
+                continue
+            self.opt.step()
+            self.step += 1
+            total += loss.item() * len(indices)
+            count += len(indices)
+            bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+        return {"train_loss": total / max(count, 1), "utterances": count}
+
+    @torch.no_grad()
+    def evaluate(self, split: str, state: dict | None = None) -> dict:
+        """Loss, WER and CER of a split with greedy decoding; optionally with another state dict."""
+        if state is not None:
+            self.model.load_state_dict(state)
+        self.model.eval()
+        fs = self.sets[split]
+        ids, refs, hyps, total = [], [], [], 0.0
+        for indices in make_batches(fs.lengths, self.cfg.train.batch_size, shuffle=False, seed=0):
+            x, x_lens, y, y_lens = self.batch_to_device(collate(fs, indices))
+            loss, log_probs, out_lens = self.loss_of(x, x_lens, y, y_lens)
+            total += loss.item() * len(indices)
+            hyps += greedy_decode(log_probs, out_lens)
+            refs += [fs.texts[i] for i in indices]
+            ids += [fs.ids[i] for i in indices]
+        wer, cer = error_rates(refs, hyps)
+        return {"loss": total / len(fs), "wer": wer, "cer": cer,
+                "utterances": [{"id": i, "ref": r, "hyp": h} for i, r, h in zip(ids, refs, hyps)]}
+
+    def run(self) -> dict:
+        cfg, t = self.cfg, self.cfg.train
+        results_path = self.out_dir / RESULTS
+        if results_path.exists() and not t.rerun:
+            done = json.loads(results_path.read_text())
+            if done.get("status") == "finished":
+                log.info("%s is finished; train.rerun=true runs it again", self.out_dir)
+                return done
+        if t.rerun:
+            for name in (CHECKPOINT, BEST, RESULTS):
+                (self.out_dir / name).unlink(missing_ok=True)
+        self.resume()
+        name = run_name(cfg)
+        tracker = start_tracking(cfg.logger, self.out_dir, f"{name}-s{cfg.seed}", cfg.study, to_container(cfg))
+        log.info("%s: %d parameters on %s, %d/%d/%d utterances (train/val/test), tracking %s",
+                 name, self.params, self.device, len(self.train_indices), len(self.sets["val"]),
+                 len(self.sets["test"]), tracker.mode)
+        stale = 0
+        while self.epoch < t.epochs and not (t.patience and stale >= t.patience):
+            self.epoch += 1
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+                torch.cuda.synchronize(self.device)
+            start = time.perf_counter()
+            train = self.train_epoch()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            seconds = time.perf_counter() - start
+            val = self.evaluate("val")
+            row = {"epoch": self.epoch, "train_loss": train["train_loss"], "val_loss": val["loss"],
+                   "val_wer": val["wer"], "val_cer": val["cer"], "epoch_time_s": seconds,
+                   "peak_mem_mb": peak_memory_mb(self.device), "utt_per_s": train["utterances"] / seconds,
+                   "lr": self.opt.param_groups[0]["lr"], "skipped_steps": self.skipped_steps}
+            self.history.append(row)
+            if val["wer"] < self.best["val_wer"]:
+                self.best = {"val_wer": val["wer"], "epoch": self.epoch}
+                atomic_write(self.out_dir / BEST, lambda tmp: torch.save(self.model.state_dict(), tmp))
+            stale = self.epoch - self.best["epoch"]
+            self.save_checkpoint()
+            write_json(results_path, self.summary("running"))
+            tracker.log({"train/loss": row["train_loss"], "val/loss": row["val_loss"], "val/wer": row["val_wer"],
+                         "val/cer": row["val_cer"], "epoch/time_s": seconds, "epoch/peak_mem_mb": row["peak_mem_mb"],
+                         "epoch/utt_per_s": row["utt_per_s"], "train/lr": row["lr"]}, step=self.epoch)
+            log.info("epoch %d: train loss %.3f, val loss %.3f, val WER %.1f%%, CER %.1f%%, %.1f s, %.0f MB",
+                     self.epoch, row["train_loss"], row["val_loss"], 100 * row["val_wer"], 100 * row["val_cer"],
+                     seconds, row["peak_mem_mb"])
+
+        best_state = torch.load(self.out_dir / BEST, map_location=self.device, weights_only=True)
+        test = self.evaluate("test", best_state)
+        results = self.summary("finished") | {
+            "test_wer": test["wer"], "test_cer": test["cer"], "test_loss": test["loss"],
+            "test_utterances": test["utterances"],
+        }
+        write_json(results_path, results)
+        tracker.summary({k: results[k] for k in ("test_wer", "test_cer", "best_val_wer", "best_epoch",
+                                                   "epoch_time_s", "peak_mem_mb", "params")})
+        tracker.finish()
+        log.info("%s: test WER %.1f%%, CER %.1f%% (best validation epoch %d)", name, 100 * test["wer"],
+                 100 * test["cer"], self.best["epoch"])
+        return results
+
+    def summary(self, status: str) -> dict:
+        cfg = to_container(self.cfg)
+        times = [r["epoch_time_s"] for r in self.history]
+        return {
+            "status": status, "config": cfg, "rnn": cfg["model"]["rnn"], "bn": cfg["model"]["bn"],
+            "impl": cfg["model"]["impl"], "seed": self.cfg.seed, "study": self.cfg.study,
+            "epochs": self.history, "best_epoch": self.best["epoch"], "best_val_wer": self.best["val_wer"],
+            "epoch_time_s": sum(times) / len(times) if times else None,
+            "peak_mem_mb": max((r["peak_mem_mb"] for r in self.history), default=None),
+            "params": self.params, "device": self.device.type, "torch_version": torch.__version__,
+            "skipped_steps": self.skipped_steps, "ctc_skipped_utterances": self.ctc_skipped,
+            "corpus": self.corpus_summary,
+        }
+
+
+def run_name(cfg: DictConfig) -> str:
+    """rnn-bn[-impl]: the W&B run name and the report's variant label."""
+    m = to_container(cfg.model)
+    return f"{m['rnn']}-{m['bn']}" + ("-cells" if Impl(m["impl"]) is Impl.cells else "")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def train(cfg: DictConfig, out_dir: Path) -> dict:
+    return Trainer(cfg, out_dir).run()

@@ -1,0 +1,25 @@
+"""Shared fixtures: Hydra composition of the real conf/ tree, and one tiny corpus per session."""
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from batchrnn.config import register_configs
+
+ROOT = Path(__file__).resolve().parents[1]
+register_configs()
+
+
+@pytest.fixture
+def make_config():
+    def make(*overrides: str):
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            return compose(config_name="config", overrides=list(overrides))
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smoke_root(tmp_path_factory) -> Path:
+    """data.root for the smoke corpus, shared so the corpus is generated once per test session."""
+    return tmp_path_factory.mktemp("smoke-data")

@@ -1,0 +1,60 @@
+"""Config composition: every variant and experiment composes; bad values fail with one clear line."""
+import subprocess
+import sys
+
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from batchrnn.config import BNMode, ConfigError, RNNType, validate
+from batchrnn.model import DeepSpeech2
+from conftest import ROOT
+
+
+@pytest.mark.parametrize("rnn", [r.value for r in RNNType])
+@pytest.mark.parametrize("bn", [b.value for b in BNMode])
+def test_every_variant_composes_and_builds(make_config, rnn, bn):
+    cfg = make_config("experiment=smoke", f"model.rnn={rnn}", f"model.bn={bn}")
+    validate(cfg)
+    assert (cfg.model.rnn, cfg.model.bn) == (RNNType(rnn), BNMode(bn))
+    assert len(DeepSpeech2(cfg.model, num_features=32, num_classes=29).rnns) == cfg.model.num_layers
+
+
+@pytest.mark.parametrize("experiment", sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml")))
+def test_every_experiment_composes(make_config, experiment):
+    validate(make_config(f"experiment={experiment}"))
+
+
+@pytest.mark.parametrize("key,value", [("model.rnn", "transformer"), ("model.bn", "layer")])
+def test_unknown_variant_names_key_value_and_choices(make_config, key, value):
+    with pytest.raises(ConfigCompositionException) as e:
+        make_config(f"{key}={value}")
+    message = str(e.value.__cause__ or e.value)
+    assert value in message and key in message
+    choices = RNNType if key == "model.rnn" else BNMode
+    assert all(c.value in message for c in choices)
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["model.hidden_size=0"], "model.hidden_size=0: must be positive"),
+        (["model.num_layers=-1"], "model.num_layers=-1"),
+        (["data.val_fraction=1.5"], "data.val_fraction"),
+        (["model.impl=cells", "model.bn=post"], "model.impl=cells with model.bn=post"),
+        (["model.share_input_weights=true", "model.bn=none"], "model.share_input_weights"),
+    ],
+)
+def test_impossible_values_are_refused(make_config, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(make_config(*overrides))
+
+
+def test_cli_refuses_bad_value_before_any_work(tmp_path):
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "src" / "run.py"), "model.hidden_size=-3", f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 2
+    assert "model.hidden_size=-3: must be positive" in run.stdout + run.stderr
+    assert "Traceback" not in run.stderr
+    assert not (tmp_path / "results.json").exists()

@@ -1,0 +1,76 @@
+"""The trainer end to end on the generated smoke corpus: results, resume, W&B offline, sweeps."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from batchrnn.train import CHECKPOINT, RESULTS, train
+from batchrnn.tracking import read_offline_run
+from conftest import ROOT
+
+FINAL_KEYS = {"test_wer", "test_cer", "best_val_wer", "epoch_time_s", "peak_mem_mb", "params", "device",
+              "torch_version"}
+
+
+@pytest.fixture
+def smoke(make_config, smoke_root):
+    def make(*overrides):
+        return make_config("experiment=smoke", f"data.root={smoke_root}", *overrides)
+
+    return make
+
+
+def test_smoke_run_writes_results(smoke, tmp_path):
+    results = train(smoke("model.bn=seqwise"), tmp_path)
+    saved = json.loads((tmp_path / RESULTS).read_text())
+    assert saved["status"] == "finished" and FINAL_KEYS <= saved.keys()
+    assert saved["config"]["model"]["bn"] == "seqwise" and saved["bn"] == "seqwise"
+    assert [e["epoch"] for e in saved["epochs"]] == [1, 2]
+    for row in saved["epochs"]:
+        assert {"train_loss", "val_loss", "val_wer", "val_cer", "epoch_time_s", "peak_mem_mb", "utt_per_s"} <= row.keys()
+    assert 0 <= saved["test_wer"] and saved["params"] > 0 and saved["device"] == "cpu"
+    assert len(saved["test_utterances"]) == 12
+    assert results["test_wer"] == saved["test_wer"]
+
+
+def test_resumed_run_equals_uninterrupted_run(smoke, tmp_path):
+    whole = train(smoke("train.epochs=3"), tmp_path / "whole")
+    part = tmp_path / "part"
+    train(smoke("train.epochs=1"), part)
+    (part / RESULTS).unlink()  # as if killed after epoch 1's checkpoint, before the run finished
+    resumed = train(smoke("train.epochs=3"), part)
+    assert [e["train_loss"] for e in resumed["epochs"]] == pytest.approx([e["train_loss"] for e in whole["epochs"]])
+    assert resumed["test_wer"] == pytest.approx(whole["test_wer"])
+    assert (part / CHECKPOINT).exists()
+
+
+def test_finished_run_is_not_run_again(smoke, tmp_path):
+    first = train(smoke(), tmp_path)
+    mtime = (tmp_path / CHECKPOINT).stat().st_mtime_ns
+    assert train(smoke(), tmp_path) == first
+    assert (tmp_path / CHECKPOINT).stat().st_mtime_ns == mtime
+    rerun = train(smoke("train.rerun=true"), tmp_path)
+    assert (tmp_path / CHECKPOINT).stat().st_mtime_ns != mtime and rerun["status"] == "finished"
+
+
+def test_wandb_offline_run_holds_the_logged_metrics(smoke, tmp_path):
+    results = train(smoke("logger.mode=offline"), tmp_path)
+    run = read_offline_run(tmp_path)
+    history = [h for h in run["history"] if "val/wer" in h]
+    assert [h["val/wer"] for h in history] == pytest.approx([e["val_wer"] for e in results["epochs"]])
+    assert [h["train/loss"] for h in history] == pytest.approx([e["train_loss"] for e in results["epochs"]])
+    assert run["summary"]["test_wer"] == pytest.approx(results["test_wer"])
+    assert run["config"]["model"]["bn"] == "none"
+
+
+def test_sweep_runs_one_job_per_combination(tmp_path, smoke_root):
+    cmd = [sys.executable, str(ROOT / "src" / "run.py"), "-m", "experiment=smoke", "model.rnn=gru,lstm",
+           "model.bn=seqwise,none", f"data.root={smoke_root}", f"hydra.sweep.dir={tmp_path}"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    folders = sorted(p.parent.name for p in tmp_path.rglob(RESULTS))
+    assert folders == ["model.bn=none,model.rnn=gru", "model.bn=none,model.rnn=lstm",
+                       "model.bn=seqwise,model.rnn=gru", "model.bn=seqwise,model.rnn=lstm"]
+    for path in tmp_path.rglob(RESULTS):
+        assert json.loads(path.read_text())["status"] == "finished"

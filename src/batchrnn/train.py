@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import random
+import re
 import resource
 import time
 from pathlib import Path
@@ -36,11 +37,24 @@ def pick_device(choice: Device) -> torch.device:
     return torch.device("cuda")
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:  # Linux: restart the peak resident set count (VmHWM), so each epoch and each job of a sweep is its own
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass  # elsewhere the peak stays process-wide
+
+
 def peak_memory_mb(device: torch.device) -> float:
-    """CUDA: max allocated by tensors since the last reset. CPU: the process's peak resident set."""
+    """CUDA: max allocated by tensors since the last reset. CPU: peak resident set since the last reset."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    try:
+        return int(re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) / 1024
+    except (OSError, AttributeError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def ctc_feasible(model: DeepSpeech2, fs: FeatureSet) -> list[bool]:
@@ -191,18 +205,19 @@ class Trainer:
         stale = 0
         while self.epoch < t.epochs and not (t.patience and stale >= t.patience):
             self.epoch += 1
+            reset_peak_memory(self.device)
             if self.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(self.device)
                 torch.cuda.synchronize(self.device)
             start = time.perf_counter()
             train = self.train_epoch()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             seconds = time.perf_counter() - start
+            peak_mb = peak_memory_mb(self.device)  # of the training epoch, before evaluation
             val = self.evaluate("val")
             row = {"epoch": self.epoch, "train_loss": train["train_loss"], "val_loss": val["loss"],
                    "val_wer": val["wer"], "val_cer": val["cer"], "epoch_time_s": seconds,
-                   "peak_mem_mb": peak_memory_mb(self.device), "utt_per_s": train["utterances"] / seconds,
+                   "peak_mem_mb": peak_mb, "utt_per_s": train["utterances"] / seconds,
                    "lr": self.opt.param_groups[0]["lr"], "skipped_steps": self.skipped_steps}
             self.history.append(row)
             if val["wer"] < self.best["val_wer"]:

@@ -3,10 +3,10 @@ PY := .venv/bin/python
 STAMP := .venv/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
 SWEEP ?= runs/an4_cpu
 
-.PHONY: help venv test test-slow smoke reproduce-an4 report bench clean
+.PHONY: help venv test test-slow smoke reproduce-an4 reproduce-depth report bench clean
 
 help: ## list the targets
-	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-15s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -23,11 +23,14 @@ test-slow: $(STAMP) ## the slow lane: the real AN4 archive (AN4_ARCHIVE=path) an
 smoke: $(STAMP) ## one tiny run on a generated corpus, under a minute
 	$(PY) src/run.py experiment=smoke
 
-reproduce-an4: $(STAMP) ## prepare AN4 and run the whole grid (gru,lstm x 5 bn), then the report
-	bash experiments/reproduce_an4.sh
+reproduce-an4: $(STAMP) ## AN4, the grid gru,lstm x 5 bn x SEEDS (default 1,2,3), the report; ARGS=hydra/launcher=parallel
+	bash experiments/reproduce_an4.sh grid $(ARGS)
 
-report: $(STAMP) ## rebuild report.md and plots from a sweep folder: make report SWEEP=runs/an4_cpu
-	$(PY) -m batchrnn.report $(SWEEP)
+reproduce-depth: $(STAMP) ## DS2 Table 1's design: 1,3,5,7 layers x none,seqwise x SEEDS, the report (runs/an4_depth)
+	bash experiments/reproduce_an4.sh depth $(ARGS)
+
+report: $(STAMP) ## rebuild report.md and plots from a sweep folder: make report SWEEP=runs/an4_cpu [ARGS=--wandb]
+	$(PY) -m batchrnn.report $(SWEEP) $(ARGS)
 
 bench: $(STAMP) ## forward+backward time and memory of every variant against bn=none
 	$(PY) experiments/bench_rnn.py

@@ -69,9 +69,10 @@ def test_read_audio_errors_name_the_file(tmp_path):
 def test_parse_both_transcript_formats(tmp_path):
     (tmp_path / "train.transcription").write_text("<s> YES </s> (an251-fash-b)\n<s> go  stop </s> (cen1-fa-b)")
     (tmp_path / "test.transcription").write_text("RUBOUT G M E F THREE NINE (an406-fcaw-b)\n\n")
-    train = parse_transcripts(tmp_path / "train.transcription")
-    assert train == {"an251-fash-b": "YES", "cen1-fa-b": "GO STOP"}
-    assert parse_transcripts(tmp_path / "test.transcription") == {"an406-fcaw-b": "RUBOUT G M E F THREE NINE"}
+    train, normalized = parse_transcripts(tmp_path / "train.transcription")
+    assert train == {"an251-fash-b": "YES", "cen1-fa-b": "GO STOP"} and normalized == ["cen1-fa-b"]  # lower case
+    test = {"an406-fcaw-b": "RUBOUT G M E F THREE NINE"}
+    assert parse_transcripts(tmp_path / "test.transcription") == (test, [])  # spacing is no change
 
 
 def test_bad_transcript_names_utterance_and_file(tmp_path):

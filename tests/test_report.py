@@ -112,3 +112,65 @@ def test_missing_sweep_is_one_clear_error(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="no readable results.json"):
         report.main([str(tmp_path / "empty")])
+
+
+@pytest.fixture
+def depth_sweep(tmp_path):
+    """gru at depths 1 and 3, none and seqwise, 2 seeds: seqwise is as good as none at depth 1 (on other
+    utterances) and clearly better at depth 3."""
+    root = tmp_path / "depth"
+    for layers in (1, 3):
+        for bn in ("none", "seqwise"):
+            for seed in (0, 1):
+                result = fake_result("gru", "post" if (layers, bn) == (1, "seqwise") else bn, seed)
+                result["bn"] = result["config"]["model"]["bn"] = bn
+                result["config"]["model"]["num_layers"] = layers  # results files keep the depth in config only
+                run = root / f"model.bn={bn},model.num_layers={layers},seed={seed}"
+                run.mkdir(parents=True)
+                (run / "results.json").write_text(json.dumps(result))
+    return root
+
+
+def test_depth_sweep_compares_within_each_depth(depth_sweep, tmp_path):
+    text = report.write_report(depth_sweep, tmp_path / "out").read_text()
+    rows = table_rows(text.split("## BN's effect by depth")[0])
+    assert [r[:5] for r in rows] == [["gru", str(layers), bn, "fused", "2"] for layers in (1, 3)
+                                     for bn in ("none", "seqwise")]
+    assert rows[0][-1] == rows[2][-1] == "(baseline)"  # each depth has its own none
+    assert not rows[1][-1].endswith("*") and rows[3][-1].startswith("-4.0 [") and rows[3][-1].endswith("*")
+    assert rows[0][5] == rows[1][5] == "**5.0 ± 1.4**"  # bold per depth: a tie at depth 1
+    assert "gru-seqwise-L3 (-4.0 points, better)" in text and "not significant: 1 of 2" in text
+
+    effect = table_rows(text.split("## BN's effect by depth")[1].split("## Plots")[0])
+    assert "| rnn | bn | impl | depth 1 | depth 3 |" in text
+    assert effect[0][:3] == ["gru", "seqwise", "fused"] and effect[0][4].endswith("*")
+    assert not effect[0][3].endswith("*")
+
+    data = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert [(r["label"], r["num_layers"]) for r in data["rows"]] == [
+        ("gru-none-L1", 1), ("gru-seqwise-L1", 1), ("gru-none-L3", 3), ("gru-seqwise-L3", 3)]
+    for name in report.PLOTS + (report.DEPTH_PLOT,):
+        assert matplotlib.image.imread(tmp_path / "out" / name).shape[0] > 100
+        assert f"]({name})" in text
+
+
+def test_report_is_logged_to_wandb_as_a_report_run(sweep, tmp_path, monkeypatch, capsys):
+    from batchrnn.tracking import read_offline_run
+
+    for var in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE"):  # no key: auto goes offline
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("NETRC", str(tmp_path / "home" / ".netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home" / "wandb"))
+    with pytest.warns(UserWarning, match="broken"):
+        report.main([str(sweep), "--out", str(tmp_path / "out"), "--wandb"])
+    assert "W&B: report logged offline, upload with `wandb sync" in capsys.readouterr().out
+
+    run = read_offline_run(tmp_path / "out" / "wandb-report")
+    assert run["run"]["job_type"] == "report" and run["run"]["group"] == "fake" and run["run"]["name"] == "report"
+    assert run["config"]["study"] == "fake"
+    logged = {k: v for step in run["history"] for k, v in step.items() if k.startswith("report/")}
+    assert logged["report/table"]["_type"] == "table-file" and logged["report/table"]["nrows"] == 6
+    assert {k for k, v in logged.items() if v.get("_type") == "image-file"} == {
+        f"report/{name.removesuffix('.png')}" for name in report.PLOTS}
+    assert run["summary"]["finished"] == 12 and run["summary"]["significance"].startswith("Significant at 95%")

@@ -13,8 +13,10 @@ def test_labels_blank_apostrophe_letters_space():
 
 def test_normalize():
     assert normalize("  yes   no ") == "YES NO"
-    with pytest.raises(TranscriptError, match="outside the alphabet"):
-        normalize("YES, NO")
+    assert normalize("Yes, no. \u201cDon\u2019t!\u201d") == "YES NO DON'T"  # sentence punctuation is a word break
+    for text, bad in [("YES 42", "'24'"), ("TWENTY-ONE", "'-'"), ("NA\u00cfVE", "'\u00cf'")]:
+        with pytest.raises(TranscriptError, match=f"outside the alphabet: {bad}"):
+            normalize(text)
     with pytest.raises(TranscriptError, match="empty"):
         normalize("   ")
 

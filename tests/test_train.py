@@ -30,6 +30,7 @@ def test_smoke_run_writes_results(smoke, tmp_path):
     for row in saved["epochs"]:
         assert {"train_loss", "val_loss", "val_wer", "val_cer", "epoch_time_s", "peak_mem_mb", "utt_per_s"} <= row.keys()
     assert 0 <= saved["test_wer"] and saved["params"] > 0 and saved["device"] == "cpu"
+    assert saved["preset"] is None  # named by src/run.py from the experiment choice
     assert len(saved["test_utterances"]) == 12
     assert results["test_wer"] == saved["test_wer"]
 
@@ -62,6 +63,10 @@ def test_wandb_offline_run_holds_the_logged_metrics(smoke, tmp_path):
     assert [h["train/loss"] for h in history] == pytest.approx([e["train_loss"] for e in results["epochs"]])
     assert run["summary"]["test_wer"] == pytest.approx(results["test_wer"])
     assert run["config"]["model"]["bn"] == "none"
+    # flat columns to sort by, and a job type beside the study's report run
+    assert {k: run["summary"][k] for k in ("rnn", "bn", "impl", "seed")} == {"rnn": "gru", "bn": "none",
+                                                                           "impl": "fused", "seed": 0}
+    assert (run["run"]["group"], run["run"]["job_type"], run["run"]["name"]) == ("smoke", "train", "gru-none-s0")
 
 
 def test_sweep_runs_one_job_per_combination(tmp_path, smoke_root):
@@ -73,4 +78,5 @@ def test_sweep_runs_one_job_per_combination(tmp_path, smoke_root):
     assert folders == ["model.bn=none,model.rnn=gru", "model.bn=none,model.rnn=lstm",
                        "model.bn=seqwise,model.rnn=gru", "model.bn=seqwise,model.rnn=lstm"]
     for path in tmp_path.rglob(RESULTS):
-        assert json.loads(path.read_text())["status"] == "finished"
+        saved = json.loads(path.read_text())
+        assert saved["status"] == "finished" and saved["preset"] == "smoke"

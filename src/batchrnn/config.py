@@ -112,12 +112,16 @@ class TrainConfig:
     device: Device = Device.auto
     # Mixed precision (bf16 autocast) on CUDA; ignored on the CPU.
     amp: bool = True
-    # torch intra-op threads; 0 leaves torch's default. Parallel sweeps divide the cores among jobs.
+    # torch intra-op threads. 0: torch's default, or under a parallel launcher (conf/hydra/launcher/) the
+    # job's share of the cores, cores // n_jobs or cpus_per_task (src/run.py).
     threads: int = 0
     # A finished run (results.json with status finished) is skipped unless this is true.
     rerun: bool = False
     # Stop early after this many epochs without a better validation WER (0: never).
     patience: int = 0
+    # A step with a non-finite loss or gradient is skipped; this many in a row means the run has
+    # diverged (lr too high, broken features), and going on would only burn hours of compute.
+    max_skipped_steps: int = 20
 
 
 @dataclass
@@ -157,12 +161,20 @@ def validate(cfg: Config | DictConfig) -> None:
         "train.epochs": t.epochs,
         "train.batch_size": t.batch_size,
         "train.lr": t.lr,
+        "train.max_grad_norm": t.max_grad_norm,
+        "train.max_skipped_steps": t.max_skipped_steps,
         "data.window_ms": d.window_ms,
         "data.hop_ms": d.hop_ms,
     }
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key}={value}: must be positive")
+    for key, value in {"train.weight_decay": t.weight_decay, "train.warmup_steps": t.warmup_steps,
+                       "train.patience": t.patience, "train.threads": t.threads}.items():
+        if value < 0:
+            raise ConfigError(f"{key}={value}: must be 0 or more")
+    if not 0 < t.lr_gamma <= 1:
+        raise ConfigError(f"train.lr_gamma={t.lr_gamma}: must be in (0, 1]")
     if not 0 < d.val_fraction < 1:
         raise ConfigError(f"data.val_fraction={d.val_fraction}: must be between 0 and 1")
     if d.corpus not in ("an4", "synthetic"):

@@ -41,10 +41,16 @@ AN4_COUNTS = {"train": 948, "test": 130}  # utterances in the real corpus
 # split name -> folder under an4/wav/ and the stem of its etc/ files
 LAYOUT = {"train": ("an4_clstk", "an4_train"), "test": ("an4test_clstk", "an4_test")}
 MARKER = ".prepared.json"  # written last: its presence means extraction and verification completed
+RETRY_WAIT_S = 1.0  # a broken download is retried after 1, 2, 4 ... times this
 
 
 class DataError(RuntimeError):
     """A corpus problem the user can fix; the message names the file and the fix."""
+
+
+def one_line(e: BaseException) -> str:
+    """The first line of an exception's message: torch and tarfile write paragraphs, our errors are one line."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(":")
 
 
 @dataclass(frozen=True)
@@ -76,8 +82,7 @@ def fetch_archive(source: str, mirrors: list[str], dest_dir: Path) -> Path:
             errors.append(str(e))
     if len(errors) == 1:
         raise DataError(errors[0])
-    tried = "\n  ".join(errors)
-    raise DataError(f"could not get the AN4 archive:\n  {tried}\nset data.archive to a local copy")
+    raise DataError(f"could not get the AN4 archive from any of {len(errors)} sources: {'; '.join(errors)}")
 
 
 def _fetch_one(source: str, dest_dir: Path) -> Path:
@@ -88,6 +93,8 @@ def _fetch_one(source: str, dest_dir: Path) -> Path:
             _download(source, dest)
         return dest
     path = Path(urllib.request.url2pathname(url.path)) if url.scheme == "file" else Path(source).expanduser()
+    if path.is_dir():
+        raise DataError(f"{path}: a folder, not an archive; set data.archive to an4_sphere.tar.gz itself")
     if not path.is_file():
         raise DataError(f"{path}: archive not found; check data.archive")
     if not os.access(path, os.R_OK):
@@ -106,7 +113,9 @@ def _download(url: str, dest: Path, attempts: int = 4) -> None:
         request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
         try:
             with urllib.request.urlopen(request, timeout=60) as response:
-                if have and response.status != 206:  # the server ignored the range: start over
+                # Append only what the server says continues our part; anything else starts over.
+                if have and not (response.status == 206 and
+                                 response.headers.get("Content-Range", "").startswith(f"bytes {have}-")):
                     have = 0
                 total = have + response.length if response.length is not None else None
                 with open(part, "ab" if have else "wb") as f, tqdm(
@@ -128,9 +137,10 @@ def _download(url: str, dest: Path, attempts: int = 4) -> None:
         except (OSError, EOFError, http.client.HTTPException) as e:  # resets, timeouts, short reads
             error = e
         if attempt + 1 < attempts:
-            time.sleep(2**attempt)
-    part.unlink(missing_ok=True)
-    raise DataError(f"{url}: download failed after {attempt + 1} tries ({error})")
+            time.sleep(RETRY_WAIT_S * 2**attempt)
+    part.unlink(missing_ok=True)  # never leave a partial file for a later run to mistake for the archive
+    raise DataError(f"{url}: download failed after {attempt + 1} tries ({error}); check the network, "
+                    "or set data.archive to a local copy")
 
 
 # -----------------------------------------------------------------------------
@@ -154,7 +164,8 @@ def extract_archive(archive: Path, dest: Path) -> None:
     except tarfile.FilterError as e:  # links out of dest, devices: the filter names the member
         raise DataError(f"{archive}: refusing member {e.tarinfo.name!r} ({e})") from e
     except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
-        raise DataError(f"{archive}: truncated or corrupt archive ({e}); delete it and fetch it again") from e
+        raise DataError(f"{archive}: truncated or corrupt archive ({one_line(e)}); delete it and fetch it "
+                        "again") from e
 
 
 def sha256(path: Path) -> str:
@@ -178,17 +189,30 @@ def verify_content(name: str, tables: dict[str, list[Utterance]]) -> str:
 # -----------------------------------------------------------------------------
 # audio
 
+# The fix for a broken audio file: a good copy, or no file, which leaves the utterance out and counted.
+_REPLACE = "replace it from a good copy of the archive, or delete it to leave that utterance out"
+
+
 def _audio_info(path):
-    """The header of a readable 16 kHz audio file, or an error naming the file."""
+    """The header of a readable 16 kHz SPHERE file, or an error naming the file and the fix."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: audio file not found; re-extract the corpus (delete its an4/{MARKER})")
     if path.stat().st_size == 0:
-        raise DataError(f"{path}: empty audio file; re-extract the corpus (delete its an4/{MARKER})")
+        raise DataError(f"{path}: empty audio file; {_REPLACE}")
     try:
         info = sf.info(str(path))
     except (sf.LibsndfileError, RuntimeError) as e:
-        raise DataError(f"{path}: not a readable SPHERE file ({e})") from e
+        raise DataError(f"{path}: not a readable SPHERE file ({e}); {_REPLACE}") from e
+    if info.format != "NIST":
+        raise DataError(f"{path}: {info.format} audio where AN4 has NIST SPHERE; convert it to SPHERE, "
+                        "or delete it to leave that utterance out")
+    if info.frames == 0:
+        raise DataError(f"{path}: a SPHERE header without samples; {_REPLACE}")
+    with open(path, "rb") as f:  # libsndfile reads a cut-off file as a shorter one; the header knows better
+        declared = re.search(rb"sample_count -i (\d+)", f.read(1024))
+    if declared and int(declared[1]) != info.frames:
+        raise DataError(f"{path}: truncated SPHERE file ({info.frames} of {int(declared[1])} samples); {_REPLACE}")
     if info.samplerate != SAMPLE_RATE:
         raise DataError(f"{path}: sample rate {info.samplerate} Hz, expected {SAMPLE_RATE} Hz; resample it")
     return info
@@ -200,9 +224,7 @@ def read_audio(path) -> torch.Tensor:
     try:
         audio, _ = sf.read(str(path), dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError) as e:
-        raise DataError(f"{path}: not a readable SPHERE file ({e})") from e
-    if len(audio) == 0:
-        raise DataError(f"{path}: no samples in the file")
+        raise DataError(f"{path}: not a readable SPHERE file ({e}); {_REPLACE}") from e
     return torch.from_numpy(audio.mean(axis=1))  # (samples,)
 
 
@@ -212,9 +234,10 @@ def read_audio(path) -> torch.Tensor:
 _LINE = re.compile(r"^(?P<text>.*?)\s*\((?P<id>[^()\s]+)\)\s*$")
 
 
-def parse_transcripts(path: Path) -> dict[str, str]:
-    """id -> normalised text, from lines `<s> YES </s> (an251-fash-b)` or `GO A B (an406-fcaw-b)`."""
-    texts = {}
+def parse_transcripts(path: Path) -> tuple[dict[str, str], list[str]]:
+    """id -> normalised text, from lines `<s> YES </s> (an251-fash-b)` or `GO A B (an406-fcaw-b)`, and
+    the ids whose text normalisation changed beyond spacing (case, punctuation), so they can be counted."""
+    texts, changed = {}, []
     for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -229,34 +252,57 @@ def parse_transcripts(path: Path) -> dict[str, str]:
         try:
             texts[uid] = normalize(text)
         except TranscriptError as e:
-            raise DataError(f"{path}:{lineno}: utterance {uid}: {e}; fix the transcript") from e
-    return texts
+            raise DataError(f"{path}:{lineno}: utterance {uid}: {e}; correct that line, or delete it to leave "
+                            "the utterance out") from e
+        if texts[uid] != " ".join(text.split()):
+            changed.append(uid)
+    return texts, changed
 
 
-def read_split(corpus_dir: Path, split: str) -> tuple[list[Utterance], dict[str, list[str]]]:
-    """Utterances with both a transcript and audio; the ids missing either are returned, not dropped."""
+def read_split(corpus_dir: Path, split: str) -> tuple[list[Utterance], dict[str, list[str]], list[str]]:
+    """Utterances with both a transcript and audio; the ids missing either, and those whose transcript
+    was normalised, are returned to be counted, never dropped or changed in silence."""
     folder, stem = LAYOUT[split]
     etc, wav = corpus_dir / "etc", corpus_dir / "wav"
     for f in (etc / f"{stem}.transcription", etc / f"{stem}.fileids"):
         if not f.is_file():
-            raise DataError(f"{f}: missing; the archive is not laid out as AN4 (an4/etc, an4/wav)")
-    texts = parse_transcripts(etc / f"{stem}.transcription")
+            raise DataError(f"{f}: missing; the archive is not laid out as AN4 (an4/etc, an4/wav), or the "
+                            f"folder changed after extraction (delete {corpus_dir / MARKER} to extract again)")
+    texts, normalized = parse_transcripts(etc / f"{stem}.transcription")
     # The fileids list says where each utterance should be; what is really on disk decides.
     listed = {Path(line).name: wav / f"{line}.sph" for line in (etc / f"{stem}.fileids").read_text().split()}
     audio = {uid: p for uid, p in listed.items() if p.is_file()}
     audio |= {p.stem: p for p in (wav / folder).glob("*/*.sph")}
+    if texts and not audio:
+        raise DataError(f"{wav / folder}: no audio at all for the {split} split; re-extract the corpus "
+                        f"(delete {corpus_dir / MARKER})")
     both = sorted(texts.keys() & audio.keys())
     utts = [Utterance(uid, uid.split("-")[1], str(audio[uid]), texts[uid]) for uid in both]
     skipped = {
         "no_audio": sorted((texts.keys() | listed.keys()) - audio.keys()),
         "no_transcript": sorted(audio.keys() - texts.keys()),
     }
-    for reason, ids in skipped.items():
-        if ids:
-            what = "without audio" if reason == "no_audio" else "without a transcript"
-            shown = ", ".join(ids[:5]) + (", ..." if len(ids) > 5 else "")
-            warnings.warn(f"{corpus_dir}: skipping {len(ids)} {split} utterances {what}: {shown}")
-    return utts, skipped
+    normalized = sorted(set(normalized) & set(both))
+    for line in describe(corpus_dir, split, skipped, normalized):
+        warnings.warn(line)
+    return utts, skipped, normalized
+
+
+def describe(corpus_dir, split: str, skipped: dict[str, list[str]], normalized: list[str]) -> list[str]:
+    """One line per kind of utterance left out or changed, naming the first few."""
+    what = {"no_audio": "skipping {n} {split} utterances without audio",
+            "no_transcript": "skipping {n} {split} utterances without a transcript",
+            "normalized": "{n} {split} transcripts normalised (case or punctuation)"}
+    return [f"{corpus_dir}: {what[kind].format(n=len(ids), split=split)}: "
+            + ", ".join(ids[:5]) + (", ..." if len(ids) > 5 else "")
+            for kind, ids in (skipped | {"normalized": normalized}).items() if ids]
+
+
+def corpus_changes(summary: dict) -> list[str]:
+    """describe()'s lines from a corpus summary, for the run's log."""
+    return [line for split in summary["skipped_ids"] for line in
+            describe(Path(summary["root"]) / "an4", split, summary["skipped_ids"][split],
+                     summary["normalized_ids"][split])]
 
 
 # -----------------------------------------------------------------------------
@@ -307,6 +353,11 @@ def prepare_corpus(cfg: DataConfig) -> Corpus:
     # The synthetic corpus lives in its own folder so the two never mix, features included.
     root = Path(cfg.root) / "synthetic" if cfg.corpus == "synthetic" else Path(cfg.root)
     corpus_dir, marker = root / "an4", root / "an4" / MARKER
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"{root}: cannot create the data folder ({e.strerror}); set data.root to a writable "
+                        "folder") from e
     fresh = not marker.is_file()
     if fresh:
         if cfg.corpus == "synthetic":
@@ -315,9 +366,9 @@ def prepare_corpus(cfg: DataConfig) -> Corpus:
             archive = fetch_archive(cfg.archive, list(cfg.mirrors), root)
         digest = sha256(archive)
         extract_archive(archive, root)
-    tables, skipped = {}, {}
+    tables, skipped, normalized = {}, {}, {}
     for split in LAYOUT:
-        tables[split], skipped[split] = read_split(corpus_dir, split)
+        tables[split], skipped[split], normalized[split] = read_split(corpus_dir, split)
     if fresh:
         known = KNOWN_SHA256.get(digest)
         checksum = f"known: {known}" if known else verify_content(cfg.corpus, tables)
@@ -332,9 +383,11 @@ def prepare_corpus(cfg: DataConfig) -> Corpus:
         "checksum": status["checksum"],
         "utterances": {s: len(u) for s, u in splits.items()},
         "speakers": {s: len({x.speaker for x in u}) for s, u in splits.items()},
-        "minutes": {s: round(sum(sf.info(x.path).duration for x in u) / 60, 2) for s, u in splits.items()},
+        "minutes": {s: round(sum(_audio_info(x.path).duration for x in u) / 60, 2) for s, u in splits.items()},
         "skipped": {s: {k: len(v) for k, v in d.items()} for s, d in skipped.items()},
         "skipped_ids": skipped,
+        "normalized": {s: len(ids) for s, ids in normalized.items()},
+        "normalized_ids": normalized,
     }
     return Corpus(name=cfg.corpus, root=root, splits=splits, summary=summary)
 
@@ -439,7 +492,8 @@ def main(argv: list[str] | None = None) -> None:
             summary["seconds"]["features"] = round(time.perf_counter() - t0, 1)
     except DataError as e:
         sys.exit(f"error: {e}")
-    summary.pop("skipped_ids")  # the counts say enough on the terminal; the ids stay in corpus.summary
+    for key in ("skipped_ids", "normalized_ids"):  # the counts say enough on the terminal
+        summary.pop(key)
     print(json.dumps(summary, indent=2))
 
 

@@ -14,7 +14,7 @@ import torchaudio
 from tqdm import tqdm
 
 from batchrnn.config import DataConfig
-from batchrnn.data import SAMPLE_RATE, Corpus, read_audio
+from batchrnn.data import SAMPLE_RATE, Corpus, one_line, read_audio
 from batchrnn.storage import atomic_write
 from batchrnn.text import encode
 
@@ -84,7 +84,7 @@ def load_features(corpus: Corpus, split: str, cfg: DataConfig) -> FeatureSet:
             feats = list(torch.split(blob["feats"], blob["lengths"]))
             return FeatureSet(blob["ids"], feats, blob["texts"], blob["num_features"])
         except Exception as e:  # a torn or foreign file costs a recompute, never the run
-            warnings.warn(f"{path}: unreadable feature cache ({e}); computing it again")
+            warnings.warn(f"{path}: unreadable feature cache ({one_line(e)}); computing it again")
     featurizer = Featurizer(cfg)
     feats = [featurizer(read_audio(u.path)) for u in tqdm(utts, desc=f"features {corpus.name}/{split}")]
     fs = FeatureSet([u.id for u in utts], feats, [u.text for u in utts], featurizer.num_features)

@@ -1,6 +1,8 @@
-"""The study report: one table, a paired bootstrap against `none`, three plots, from a sweep's results.
+"""The study report: one table, a paired bootstrap against `none`, the plots, from a sweep's results.
 
-    python -m batchrnn.report SWEEP_DIR [--out DIR]    # writes report.md, report.json and *.png
+    python -m batchrnn.report SWEEP_DIR [--out DIR] [--wandb]    # report.md, report.json and *.png
+
+A sweep that varies model.num_layers (experiment=an4_depth) gets a row per depth and a WER-by-depth plot.
 """
 import argparse
 import json
@@ -13,35 +15,42 @@ from pathlib import Path
 import jiwer
 import numpy as np
 
-from batchrnn.config import BNMode, Impl, RNNType
+from batchrnn.config import BNMode, Impl, LoggerConfig, LoggerMode, RNNType
 
 RNN_ORDER = [r.value for r in RNNType]
 BN_ORDER = [b.value for b in BNMode]  # none, post, input, skip, seqwise
 IMPL_ORDER = [i.value for i in Impl]
 BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED = 1000, 0
 PLOTS = ("val_wer.png", "wer_vs_time.png", "peak_mem.png")
+DEPTH_PLOT = "wer_vs_depth.png"  # only when the sweep varies model.num_layers
 
 
 # ----------------------------------------------------------------------------------------------------
 # reading
 
 
-def variant(result: dict) -> tuple[str, str, str]:
-    """(rnn, bn, impl) from the top-level keys, or the config's model section in older files."""
+def variant(result: dict) -> tuple[str, str, str, int | None]:
+    """(rnn, bn, impl, num_layers) from the top-level keys, or the config's model section (results files
+    keep num_layers there only; a report row has it at the top)."""
     model = result.get("config", {}).get("model", {})
-    return tuple(result.get(k, model.get(k)) for k in ("rnn", "bn", "impl"))
+    return tuple(result.get(k, model.get(k)) for k in ("rnn", "bn", "impl", "num_layers"))
 
 
-def label(key: tuple[str, str, str]) -> str:
-    rnn, bn, impl = key
-    return f"{rnn}-{bn}" + ("" if impl == Impl.fused.value else f"-{impl}")
+def varies_depth(keys) -> bool:
+    return len({key[3] for key in keys}) > 1
 
 
-def sort_key(key: tuple[str, str, str]) -> tuple:
+def label(key: tuple, depth: bool = False) -> str:
+    """rnn-bn[-impl], and -L<layers> when the sweep varies the depth."""
+    rnn, bn, impl, layers = key
+    return f"{rnn}-{bn}" + ("" if impl == Impl.fused.value else f"-{impl}") + (f"-L{layers}" if depth else "")
+
+
+def sort_key(key: tuple) -> tuple:
     def rank(order, x):
         return (order.index(x), x) if x in order else (len(order), x)
 
-    return rank(RNN_ORDER, key[0]), rank(BN_ORDER, key[1]), rank(IMPL_ORDER, key[2])
+    return rank(RNN_ORDER, key[0]), key[3] or 0, rank(BN_ORDER, key[1]), rank(IMPL_ORDER, key[2])
 
 
 def load_results(sweep_dir: Path) -> tuple[list[dict], list[dict], list[Path]]:
@@ -50,7 +59,7 @@ def load_results(sweep_dir: Path) -> tuple[list[dict], list[dict], list[Path]]:
     for path in sorted(sweep_dir.rglob("results.json")):
         try:
             result = json.loads(path.read_text())
-            if not isinstance(result, dict) or None in variant(result):
+            if not isinstance(result, dict) or None in variant(result)[:3]:
                 raise ValueError("not a results file with rnn, bn and impl")
         except (OSError, ValueError) as e:  # JSONDecodeError is a ValueError
             warnings.warn(f"skipping {path}: {e}; rerun that run or delete the file", stacklevel=2)
@@ -116,29 +125,30 @@ def paired_bootstrap(variant_runs: list[dict], none_runs: list[dict]) -> tuple[f
 
 
 def aggregate(finished: list[dict]) -> list[dict]:
-    """One row per (rnn, bn, impl): means and stds over seeds, ratios and the bootstrap vs none."""
+    """One row per (rnn, bn, impl, num_layers): means and stds over seeds, ratios and the bootstrap vs
+    the `none` row of the same rnn and depth."""
     groups = defaultdict(list)
     for r in finished:
         groups[variant(r)].append(r)
+    depth = varies_depth(groups)
     rows = []
     for key in sorted(groups, key=sort_key):
         runs = groups[key]
-        row = dict(zip(("rnn", "bn", "impl"), key), label=label(key), n=len(runs),
+        row = dict(zip(("rnn", "bn", "impl", "num_layers"), key), label=label(key, depth), n=len(runs),
                    seeds=sorted(r.get("seed") for r in runs if r.get("seed") is not None))
         for name in ("test_wer", "test_cer", "best_val_wer", "epoch_time_s", "peak_mem_mb"):
             row[name], row[f"{name}_std"] = mean_std([r.get(name) for r in runs])
         row["params"] = mean_std([r.get("params") for r in runs])[0]  # the same for every seed
         rows.append(row)
-    by_key = {(r["rnn"], r["bn"], r["impl"]): r for r in rows}
+    by_key = {variant(r): r for r in rows}
     for row in rows:
-        none = by_key.get((row["rnn"], BNMode.none.value, Impl.fused.value))
+        none = by_key.get((row["rnn"], BNMode.none.value, Impl.fused.value, row["num_layers"]))
         # Ratios of means, both measured in this sweep: the cost of a placement over no BN.
         for name, ratio in (("epoch_time_s", "time_ratio"), ("peak_mem_mb", "mem_ratio")):
             row[ratio] = row[name] / none[name] if none and none[name] else math.nan
         test = None
         if none and row is not none:
-            test = paired_bootstrap(groups[(row["rnn"], row["bn"], row["impl"])],
-                                    groups[(none["rnn"], none["bn"], none["impl"])])
+            test = paired_bootstrap(groups[variant(row)], groups[variant(none)])
         row["dwer"], row["dwer_lo"], row["dwer_hi"] = test or (math.nan,) * 3
         row["significant"] = bool(test and (test[1] > 0 or test[2] < 0))
     return rows
@@ -157,18 +167,23 @@ def plot_val_wer(results: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    by_rnn = defaultdict(lambda: defaultdict(list))
+    # One panel per rnn side by side; when the sweep varies the depth, a row per rnn, a column per depth.
+    depth = varies_depth([variant(r) for r in results])
+    panels = defaultdict(lambda: defaultdict(list))
     for r in results:
         key = variant(r)
         epochs = r.get("epochs") or []
-        by_rnn[key[0]][key].append({e["epoch"]: 100 * e["val_wer"] for e in epochs
-                                    if e.get("epoch") is not None and e.get("val_wer") is not None})
-    rnns = sorted(by_rnn, key=lambda x: sort_key((x, "", "")))
-    fig, axes = plt.subplots(1, len(rnns), figsize=(5 * len(rnns), 4), squeeze=False, sharey=True)
+        panels[key[0], key[3] if depth else None][key].append({e["epoch"]: 100 * e["val_wer"] for e in epochs
+                                                              if None not in (e.get("epoch"), e.get("val_wer"))})
+    rnns = sorted({rnn for rnn, _ in panels}, key=lambda x: sort_key((x, "", "", 0)))
+    depths = sorted({layers for _, layers in panels}, key=lambda x: x or 0)
+    shape = (len(rnns), len(depths)) if depth else (1, len(rnns))
+    fig, axes = plt.subplots(*shape, figsize=(5 * shape[1], 4 * shape[0]), squeeze=False, sharey=True)
     colors = bn_colors()
-    for ax, rnn in zip(axes[0], rnns):
-        for key in sorted(by_rnn[rnn], key=sort_key):
-            curves = by_rnn[rnn][key]
+    for (rnn, layers), curves_of in panels.items():
+        ax = axes[rnns.index(rnn), depths.index(layers)] if depth else axes[0, rnns.index(rnn)]
+        for key in sorted(curves_of, key=sort_key):
+            curves = curves_of[key]
             epochs = sorted(set().union(*curves))
             if not epochs:
                 continue
@@ -179,12 +194,13 @@ def plot_val_wer(results: list[dict], path: Path) -> None:
             if len(curves) > 1:
                 ax.fill_between(epochs, [min(v) for v in values], [max(v) for v in values],
                                 alpha=0.15, color=style["color"], linewidth=0)
-        ax.set(title=rnn, xlabel="epoch")
+        ax.set(title=rnn if layers is None else f"{rnn}, {layers} layer{'s' * (layers != 1)}", xlabel="epoch")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=8)
-    axes[0][0].set_ylabel("validation WER %")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("validation WER %")
     fig.suptitle("Validation WER per epoch (mean over seeds, band: min-max)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -217,11 +233,11 @@ def plot_wer_vs_time(rows: list[dict], path: Path) -> None:
 def plot_peak_mem(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
-    # Bars grouped by rnn with a gap between groups, coloured by BN placement.
-    x, positions, rnn = 0, [], None
+    # Bars grouped by rnn (and depth) with a gap between groups, coloured by BN placement.
+    x, positions, group = 0, [], None
     for row in rows:
-        x += 1 if row["rnn"] == rnn or rnn is None else 2
-        rnn = row["rnn"]
+        x += 1 if (row["rnn"], row["num_layers"]) == group or group is None else 2
+        group = row["rnn"], row["num_layers"]
         positions.append(x)
     fig, ax = plt.subplots(figsize=(max(6, 0.6 * x + 2), 4.5))
     colors = bn_colors()
@@ -230,6 +246,37 @@ def plot_peak_mem(rows: list[dict], path: Path) -> None:
     ax.set_xticks(positions, [r["label"] for r in rows], rotation=45, ha="right", fontsize=8)
     ax.set(ylabel="peak memory MB", title="Peak memory per variant (mean over seeds)")
     ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_wer_vs_depth(rows: list[dict], path: Path) -> None:
+    """DS2 Table 1 as a plot: test WER against the number of recurrent layers, one line per placement."""
+    import matplotlib.pyplot as plt
+
+    rnns = list(dict.fromkeys(r["rnn"] for r in rows))  # rows come sorted
+    fig, axes = plt.subplots(1, len(rnns), figsize=(max(6, 5 * len(rnns)), 4), squeeze=False, sharey=True)
+    colors = bn_colors()
+    for ax, rnn in zip(axes[0], rnns):
+        lines = defaultdict(list)
+        for row in rows:
+            if row["rnn"] == rnn:
+                lines[row["bn"], row["impl"]].append(row)
+        for (bn, impl), points in lines.items():
+            x, y = [p["num_layers"] for p in points], [100 * p["test_wer"] for p in points]
+            ax.errorbar(x, y, yerr=[np.nan_to_num(100 * p["test_wer_std"]) for p in points], marker="o",
+                        capsize=3, color=colors.get(bn), linestyle="-" if impl == Impl.fused.value else "--",
+                        label=bn if impl == Impl.fused.value else f"{bn}-{impl}")
+            for p, xi, yi in zip(points, x, y):
+                if p["significant"]:
+                    ax.annotate("*", (xi, yi), xytext=(4, 4), textcoords="offset points")
+        ax.set(title=rnn, xlabel="recurrent layers")
+        ax.set_xticks(sorted({r["num_layers"] for r in rows}))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("test WER %")
+    fig.suptitle("Test WER by depth (mean ± std over seeds; * differs from none)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -256,21 +303,39 @@ def fmt_dwer(row: dict) -> str:
 
 
 def table(rows: list[dict]) -> list[str]:
-    head = ["rnn", "bn", "impl", "n", "test WER %", "test CER %", "best val WER %", "epoch time s",
-            "peak mem MB", "time × none", "mem × none", "params", "ΔWER vs none [95% CI]"]
-    # Bold the best test WER within each rnn: the study compares placements for one cell type.
+    depth = varies_depth([variant(r) for r in rows])
+    keys = ["rnn"] + ["layers"] * depth + ["bn", "impl"]
+    head = keys + ["n", "test WER %", "test CER %", "best val WER %", "epoch time s", "peak mem MB",
+                   "time × none", "mem × none", "params", "ΔWER vs none [95% CI]"]
+    # Bold the best test WER within each rnn (and depth): the study compares placements for one cell type.
     best = {}
     for row in rows:
-        if not math.isnan(row["test_wer"]) and row["test_wer"] < best.get(row["rnn"], math.inf):
-            best[row["rnn"]] = row["test_wer"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 3 + "---:|" * (len(head) - 3)]
+        group = row["rnn"], row["num_layers"]
+        if not math.isnan(row["test_wer"]) and row["test_wer"] < best.get(group, math.inf):
+            best[group] = row["test_wer"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(keys) + "---:|" * (len(head) - len(keys))]
     for row in rows:
         wer = fmt(row, "test_wer", 100)
-        cells = [row["rnn"], row["bn"], row["impl"], str(row["n"]),
-                 f"**{wer}**" if row["test_wer"] == best.get(row["rnn"]) else wer,
+        cells = [row["rnn"]] + [str(row["num_layers"])] * depth + [row["bn"], row["impl"], str(row["n"]),
+                 f"**{wer}**" if row["test_wer"] == best.get((row["rnn"], row["num_layers"])) else wer,
                  fmt(row, "test_cer", 100), fmt(row, "best_val_wer", 100), fmt(row, "epoch_time_s"),
                  fmt(row, "peak_mem_mb", digits=0), fmt(row, "time_ratio", digits=2),
                  fmt(row, "mem_ratio", digits=2), fmt(row, "params", digits=0), fmt_dwer(row)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def depth_effect(rows: list[dict]) -> list[str]:
+    """ΔWER vs none per depth, a row per placement: DS2's Table 1 asks whether BN helps more when deeper."""
+    depths = sorted({r["num_layers"] for r in rows})
+    by_depth = defaultdict(dict)
+    for row in rows:
+        if row["bn"] != BNMode.none.value:
+            by_depth[row["rnn"], row["bn"], row["impl"]][row["num_layers"]] = row
+    lines = ["| rnn | bn | impl | " + " | ".join(f"depth {d}" for d in depths) + " |",
+             "|" + "---|" * 3 + "---:|" * len(depths)]
+    for key, rows_at in by_depth.items():
+        cells = list(key) + [fmt_dwer(rows_at[d]) if d in rows_at else "–" for d in depths]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -312,6 +377,7 @@ were measured in this sweep on one machine, so they rank the variants' costs but
 hardware (peak memory is CUDA max allocated on a GPU, process peak RSS on the CPU). ΔWER is variant minus
 `none` in WER points, with a 95% paired bootstrap interval over test utterances ({BOOTSTRAP_RESAMPLES}
 resamples, seeds pooled by averaging each utterance's word errors); * marks an interval that excludes 0.
+When the sweep varies model.num_layers, every comparison (bold, ratios, ΔWER) is within one depth.
 """
 
 
@@ -333,9 +399,9 @@ def header(finished: list[dict], running: list[dict], skipped: list[Path]) -> li
     return lines
 
 
-def write_report(sweep_dir: Path, out_dir: Path | None = None) -> Path:
+def write_report(sweep_dir: Path, out_dir: Path | None = None, wandb: LoggerMode | None = None) -> Path:
     """Writes report.md, report.json and the PNGs for the results.json files under sweep_dir (default
-    out_dir: sweep_dir); returns the path of report.md."""
+    out_dir: sweep_dir) and, with a wandb mode, logs them to W&B too; returns the path of report.md."""
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
         raise FileNotFoundError(f"{sweep_dir}: no such folder; pass the folder that holds the sweep's runs")
@@ -355,9 +421,17 @@ def write_report(sweep_dir: Path, out_dir: Path | None = None) -> Path:
         plot_wer_vs_time(rows, out_dir / "wer_vs_time.png")
         plot_peak_mem(rows, out_dir / "peak_mem.png")
         plots += ["wer_vs_time.png", "peak_mem.png"]
+    depth = varies_depth([variant(r) for r in rows])
+    if depth:
+        plot_wer_vs_depth(rows, out_dir / DEPTH_PLOT)
+        plots.append(DEPTH_PLOT)
 
     lines = header(finished, running, skipped) + ["", "## How to read", "", HOW_TO_READ, "## Results", ""]
     lines += table(rows) + ["", significance(rows)] if rows else ["No finished runs yet."]
+    if depth:
+        lines += ["", "## BN's effect by depth", "", "ΔWER vs `none` at the same depth, in WER points with its "
+                  "95% interval (* excludes 0): DS2's Table 1 design, which reported BN helping more the deeper "
+                  "the network.", ""] + depth_effect(rows)
     lines += ["", "## Plots", ""] + [f"![{p.removesuffix('.png')}]({p})" for p in plots]
     report = out_dir / "report.md"
     report.write_text("\n".join(lines) + "\n")
@@ -366,19 +440,60 @@ def write_report(sweep_dir: Path, out_dir: Path | None = None) -> Path:
     summary = {"sweep_dir": str(sweep_dir), "study": distinct(everything, "study"),
                "preset": distinct(everything, "preset"), "devices": distinct(everything, "device"),
                "finished": len(finished), "running": len(running), "skipped": [str(p) for p in skipped],
-               "rows": rows}
+               "significance": significance(rows) if rows else None, "plots": plots, "rows": rows}
     (out_dir / "report.json").write_text(json.dumps(json_ready(summary), indent=2) + "\n")
+    if wandb is not None:
+        log_to_wandb(out_dir, json_ready(summary), logger_of(everything, wandb))
     return report
+
+
+# ----------------------------------------------------------------------------------------------------
+# W&B
+
+
+def logger_of(results: list[dict], mode: LoggerMode) -> LoggerConfig:
+    """The runs' own W&B project, entity and tags, so the report lands beside them."""
+    logger = next((r["config"]["logger"] for r in results if "logger" in r.get("config", {})), {})
+    return LoggerConfig(mode=mode, project=logger.get("project", LoggerConfig.project),
+                        entity=logger.get("entity"), tags=logger.get("tags", []))
+
+
+def log_to_wandb(out_dir: Path, summary: dict, logger: LoggerConfig) -> str:
+    """The report as a W&B run of job_type "report" in the study's group: the table (a row per variant,
+    sortable), the plots, and the significance sentence in the summary. Its run lives in
+    out_dir/wandb-report/; online or offline as start_tracking decides. Returns the tracking mode."""
+    from batchrnn.tracking import start_tracking
+
+    config = {k: summary[k] for k in ("sweep_dir", "study", "preset", "devices")}
+    tracker = start_tracking(logger, Path(out_dir) / "wandb-report", "report", summary["study"], config,
+                             job_type="report")
+    rows = summary["rows"]
+    if rows:
+        columns = list(rows[0])
+        tracker.log_table("report/table", columns, [
+            [", ".join(map(str, v)) if isinstance(v, list) else v for v in row.values()] for row in rows])
+    for plot in summary["plots"]:
+        tracker.log_image(f"report/{plot.removesuffix('.png')}", Path(out_dir) / plot)
+    tracker.summary({k: summary[k] for k in ("finished", "running", "significance")})
+    tracker.finish()
+    where = Path(out_dir) / "wandb-report" / "wandb"
+    print({"online": "W&B: report logged online",
+           "offline": f"W&B: report logged offline, upload with `wandb sync {where}/offline-run-*`"}.get(
+        tracker.mode, "W&B: could not start (see the warning above); the report is only on disk"))
+    return tracker.mode
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sweep_dir", type=Path, help="the sweep's folder (searched recursively)")
     parser.add_argument("--out", type=Path, help="where to write the report (default: SWEEP_DIR)")
+    parser.add_argument("--wandb", action="store_true",
+                        help="also log the table and plots as a W&B run of job_type report in the study's "
+                             "group (online with an API key, else offline under OUT/wandb-report)")
     args = parser.parse_args(argv)
     warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"
     try:
-        path = write_report(args.sweep_dir, args.out)
+        path = write_report(args.sweep_dir, args.out, LoggerMode.auto if args.wandb else None)
     except FileNotFoundError as e:
         sys.exit(f"error: {e}")
     print(f"wrote {path}")

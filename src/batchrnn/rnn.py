@@ -66,7 +66,7 @@ class MaskedBatchNorm(nn.BatchNorm1d):
         if self.training:
             with torch.no_grad():
                 self.num_batches_tracked += 1
-                unbiased = var.detach() * (count / max(count - 1, 1))
+                unbiased = var.detach() * count / (count - 1).clamp_min(1)
                 self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), self.momentum)
                 self.running_var.lerp_(unbiased.to(self.running_var.dtype), self.momentum)
         else:

@@ -11,9 +11,16 @@ class TranscriptError(ValueError):
     """A transcript that cannot be written in the alphabet."""
 
 
+# Sentence punctuation is never spoken, so it becomes a word break ("yes, no." -> "YES NO"); a typographic
+# apostrophe is the alphabet's. Anything else outside the alphabet (digits, hyphens, accented letters)
+# needs a decision about what was said, so it is refused rather than guessed.
+SAFE = str.maketrans({**{c: " " for c in '.,?!;:"\u201c\u201d'}, "\u2018": "'", "\u2019": "'"})
+
+
 def normalize(text: str) -> str:
-    """Upper-case and squeeze whitespace; characters outside the alphabet are an error, not dropped."""
-    text = " ".join(text.upper().split())
+    """Upper-case, sentence punctuation to spaces, whitespace squeezed; other characters outside the
+    alphabet are an error, never dropped."""
+    text = " ".join(text.translate(SAFE).upper().split())
     bad = sorted({c for c in text if c not in INDEX or c == BLANK})
     if bad:
         raise TranscriptError(f"characters outside the alphabet: {''.join(bad)!r}")

@@ -96,7 +96,8 @@ def has_api_key() -> bool:
         return False
 
 
-def start_tracking(cfg: LoggerConfig, run_dir: Path, name: str, group: str, config: dict) -> Tracker:
+def start_tracking(cfg: LoggerConfig, run_dir: Path, name: str, group: str, config: dict,
+                   job_type: str = "train") -> Tracker:
     mode = LoggerMode(cfg.mode)
     if mode is LoggerMode.disabled:
         return Tracker()
@@ -111,7 +112,7 @@ def start_tracking(cfg: LoggerConfig, run_dir: Path, name: str, group: str, conf
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     kwargs = dict(project=cfg.project, entity=cfg.entity, group=group, name=name, config=config,
-                  tags=list(cfg.tags), dir=run_dir, id=run_id(run_dir), resume="allow")
+                  tags=list(cfg.tags), dir=run_dir, id=run_id(run_dir), resume="allow", job_type=job_type)
 
     def init(mode: LoggerMode):
         # x_disable_stats: the harness measures time and memory itself, and the system-metrics sampler
@@ -185,8 +186,9 @@ def _public(d: dict) -> dict:
 
 
 def read_offline_run(run_dir: Path) -> dict:
-    """{"history": [one dict per logged step], "summary": {...}, "config": {...}} of the offline W&B
-    run under run_dir; a resumed run's several offline folders are read in order and merged."""
+    """{"history": [one dict per logged step], "summary": {...}, "config": {...}, "run": {name, group,
+    job_type, tags}} of the offline W&B run under run_dir; a resumed run's several offline folders are
+    read in order and merged."""
     # offline-run-YYYYMMDD_HHMMSS-<id>[-k]: wandb adds -k when a run restarts within the same second
     stamp = len("offline-run-YYYYMMDD_HHMMSS")
     folders = sorted(Path(run_dir).glob("wandb/offline-run-*"),
@@ -195,7 +197,7 @@ def read_offline_run(run_dir: Path) -> dict:
     if not files:
         raise FileNotFoundError(f"{Path(run_dir) / 'wandb'}: no offline W&B run here; was the run "
                                 "tracked with logger.mode=offline (or auto without an API key)?")
-    history, summary, config = [], {}, {}
+    history, summary, config, run = [], {}, {}, {}
     for path in files:
         for r in _records(path):
             kind = r.WhichOneof("record_type")
@@ -205,7 +207,9 @@ def read_offline_run(run_dir: Path) -> dict:
                 summary.update(_items(r.summary.update))
             elif kind == "run":
                 config.update(_items(r.run.config.update))
+                run = {"name": r.run.display_name, "group": r.run.run_group, "job_type": r.run.job_type,
+                       "tags": list(r.run.tags)}
             elif kind == "config":
                 config.update(_items(r.config.update))
     config.pop("_wandb", None)
-    return {"history": history, "summary": _public(summary), "config": config}
+    return {"history": history, "summary": _public(summary), "config": config, "run": run}

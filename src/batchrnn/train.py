@@ -16,8 +16,8 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from batchrnn.config import Device, Impl, to_container, validate
-from batchrnn.data import prepare_corpus
+from batchrnn.config import ConfigError, Device, Impl, to_container, validate
+from batchrnn.data import corpus_changes, one_line, prepare_corpus
 from batchrnn.features import FeatureSet, collate, load_features, make_batches
 from batchrnn.metrics import error_rates
 from batchrnn.storage import atomic_write, write_json
@@ -29,9 +29,17 @@ log = logging.getLogger(__name__)
 CHECKPOINT, BEST, RESULTS = "checkpoint.pt", "best.pt", "results.json"
 
 
+class RunError(RuntimeError):
+    """A damaged run folder (unreadable checkpoint); the message names the file and the fix."""
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many non-finite steps in a row; the checkpoint and results.json keep the epochs before."""
+
+
 def pick_device(choice: Device) -> torch.device:
     if Device(choice) is Device.cuda and not torch.cuda.is_available():
-        raise RuntimeError("train.device=cuda but CUDA is not available; use train.device=auto or cpu")
+        raise ConfigError("train.device=cuda but CUDA is not available; use train.device=auto or cpu")
     if Device(choice) is Device.cpu or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda")
@@ -65,9 +73,9 @@ def ctc_feasible(model: DeepSpeech2, fs: FeatureSet) -> list[bool]:
 
 
 class Trainer:
-    def __init__(self, cfg: DictConfig, out_dir: Path):
+    def __init__(self, cfg: DictConfig, out_dir: Path, preset: str | None = None):
         validate(cfg)
-        self.cfg, self.out_dir = cfg, Path(out_dir)
+        self.cfg, self.out_dir, self.preset = cfg, Path(out_dir), preset
         self.out_dir.mkdir(parents=True, exist_ok=True)
         t = cfg.train
         if t.threads > 0:
@@ -78,6 +86,8 @@ class Trainer:
 
         corpus = prepare_corpus(cfg.data)
         self.corpus_summary = corpus.summary
+        for line in corpus_changes(corpus.summary):  # the same counts are in results.json under "corpus"
+            log.warning("%s", line)
         self.sets = {s: load_features(corpus, s, cfg.data) for s in ("train", "val", "test")}
         num_features = self.sets["train"].num_features
         self.model = DeepSpeech2(cfg.model, num_features, len(LABELS)).to(self.device)
@@ -86,6 +96,9 @@ class Trainer:
         feasible = ctc_feasible(self.model, self.sets["train"])
         self.train_indices = [i for i, ok in enumerate(feasible) if ok]
         self.ctc_skipped = [self.sets["train"].ids[i] for i, ok in enumerate(feasible) if not ok]
+        if not self.train_indices:
+            raise ConfigError("no training utterance has enough output frames for its labels under CTC; "
+                              "lower the time strides in model.conv")
         if self.ctc_skipped:
             log.warning("%d training utterances have more labels than the model's output frames allow "
                         "for CTC and are left out of training: %s", len(self.ctc_skipped), self.ctc_skipped[:10])
@@ -94,7 +107,7 @@ class Trainer:
         self.ctc = torch.nn.CTCLoss(blank=0, zero_infinity=True)
         self.epoch, self.step, self.history = 0, 0, []
         self.best = {"val_wer": math.inf, "epoch": 0}
-        self.skipped_steps = 0
+        self.skipped_steps, self.skipped_in_a_row = 0, 0
 
     # --- persistence -------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
@@ -105,16 +118,24 @@ class Trainer:
         }
         atomic_write(self.out_dir / CHECKPOINT, lambda tmp: torch.save(state, tmp))
 
-    def resume(self) -> bool:
-        path = self.out_dir / CHECKPOINT
-        if not path.exists():
-            return False
+    def load(self, name: str, weights_only: bool):
+        path = self.out_dir / name
         try:
-            state = torch.load(path, map_location=self.device, weights_only=False)
-        except Exception as e:  # a checkpoint is only renamed into place once complete, so this is real damage
-            raise RuntimeError(f"{path} is unreadable ({e}); delete it to start this run afresh") from e
-        self.model.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["opt"])
+            return torch.load(path, map_location=self.device, weights_only=weights_only)
+        except Exception as e:  # only complete files are renamed into place, so this is real damage
+            raise RunError(f"{path}: unreadable ({one_line(e)}); delete {CHECKPOINT} and {BEST} in that folder "
+                           "to train this run afresh") from e
+
+    def resume(self) -> bool:
+        if not (self.out_dir / CHECKPOINT).exists():
+            return False
+        state = self.load(CHECKPOINT, weights_only=False)
+        try:
+            self.model.load_state_dict(state["model"])
+            self.opt.load_state_dict(state["opt"])
+        except (KeyError, RuntimeError, ValueError) as e:  # another model's checkpoint in this folder
+            raise RunError(f"{self.out_dir / CHECKPOINT}: does not fit this model ({type(e).__name__}); use "
+                           "another output folder, or train.rerun=true to replace this run") from e
         self.epoch, self.step, self.history = state["epoch"], state["step"], state["history"]
         self.best, self.skipped_steps = state["best"], state["skipped_steps"]
         torch.set_rng_state(state["rng"]["torch"])
@@ -150,21 +171,38 @@ class Trainer:
             for group in self.opt.param_groups:
                 group["lr"] = self.lr_at(self.epoch, self.step)
             x, x_lens, y, y_lens = self.batch_to_device(collate(fs, indices))
+            # BN running averages move in the forward pass: a skipped step must take them back too.
+            buffers = [b.clone() for b in self.model.buffers()]
             loss, _, _ = self.loss_of(x, x_lens, y, y_lens)
             self.opt.zero_grad(set_to_none=True)
             if torch.isfinite(loss):
                 loss.backward()
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
             if not torch.isfinite(loss) or not torch.isfinite(grad_norm):
-                self.skipped_steps += 1  # a non-finite step would poison AdamW's moments for good
-                log.warning("epoch %d step %d: non-finite loss or gradient, step skipped", self.epoch, self.step)
+                self.skip_step(buffers, [fs.ids[i] for i in indices])
                 continue
             self.opt.step()
             self.step += 1
+            self.skipped_in_a_row = 0
             total += loss.item() * len(indices)
             count += len(indices)
             bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
-        return {"train_loss": total / max(count, 1), "utterances": count}
+        return {"train_loss": total / count if count else math.nan, "utterances": count}
+
+    def skip_step(self, buffers: list[torch.Tensor], ids: list[str]) -> None:
+        """A non-finite step would poison AdamW's moments for good: drop it, count it, and stop the run
+        when they keep coming, since the model has then diverged."""
+        for b, saved in zip(self.model.buffers(), buffers):
+            b.copy_(saved)
+        self.skipped_steps += 1
+        self.skipped_in_a_row += 1
+        log.warning("epoch %d step %d: non-finite loss or gradient, step skipped (%d in a row); batch: %s",
+                    self.epoch, self.step, self.skipped_in_a_row, " ".join(ids))
+        if self.skipped_in_a_row > self.cfg.train.max_skipped_steps:
+            raise TrainingDiverged(
+                f"{self.out_dir}: {self.skipped_in_a_row} steps in a row had a non-finite loss or gradient in "
+                f"epoch {self.epoch}; the run has diverged. Lower train.lr (now {self.cfg.train.lr:g}) or "
+                f"check the data; {RESULTS} and {CHECKPOINT} are as after epoch {self.epoch - 1}")
 
     @torch.no_grad()
     def evaluate(self, split: str, state: dict | None = None) -> dict:
@@ -189,19 +227,54 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         results_path = self.out_dir / RESULTS
         if results_path.exists() and not t.rerun:
-            done = json.loads(results_path.read_text())
+            try:
+                done = json.loads(results_path.read_text())
+                if not isinstance(done, dict):
+                    raise ValueError("not a JSON object")
+            except (OSError, ValueError) as e:  # written atomically, so damaged from outside: rebuild it
+                aside = results_path.with_name(RESULTS + ".unreadable")
+                results_path.replace(aside)
+                log.warning("%s: unreadable (%s), moved to %s; it is rebuilt from %s", results_path, one_line(e),
+                            aside.name, CHECKPOINT)
+                done = {}
             if done.get("status") == "finished":
                 log.info("%s is finished; train.rerun=true runs it again", self.out_dir)
                 return done
         if t.rerun:
             for name in (CHECKPOINT, BEST, RESULTS):
                 (self.out_dir / name).unlink(missing_ok=True)
+        for tmp in self.out_dir.glob(".*.tmp"):  # storage.atomic_write's leftovers from a killed process
+            tmp.unlink(missing_ok=True)
         self.resume()
         name = run_name(cfg)
         tracker = start_tracking(cfg.logger, self.out_dir, f"{name}-s{cfg.seed}", cfg.study, to_container(cfg))
         log.info("%s: %d parameters on %s, %d/%d/%d utterances (train/val/test), tracking %s",
                  name, self.params, self.device, len(self.train_indices), len(self.sets["val"]),
                  len(self.sets["test"]), tracker.mode)
+        try:
+            self.train_epochs(tracker)
+        except TrainingDiverged:
+            tracker.finish()  # a sweep goes on with its next job, which starts its own W&B run
+            raise
+        best_state = self.load(BEST, weights_only=True)
+        test = self.evaluate("test", best_state)
+        results = self.summary("finished") | {
+            "test_wer": test["wer"], "test_cer": test["cer"], "test_loss": test["loss"],
+            "test_utterances": test["utterances"],
+        }
+        write_json(results_path, results)
+        # rnn, bn, impl and seed beside the metrics: flat columns a W&B table can sort and group by
+        tracker.summary({k: results[k] for k in ("rnn", "bn", "impl", "seed", "test_wer", "test_cer",
+                                                   "best_val_wer", "best_epoch", "epoch_time_s", "peak_mem_mb",
+                                                   "params")})
+        tracker.finish()
+        log.info("%s: test WER %.1f%%, CER %.1f%% (best validation epoch %d)", name, 100 * test["wer"],
+                 100 * test["cer"], self.best["epoch"])
+        return results
+
+    def train_epochs(self, tracker) -> None:
+        """Train, validate and checkpoint epoch by epoch up to train.epochs (or patience)."""
+        t, results_path = self.cfg.train, self.out_dir / RESULTS
         stale = 0
         while self.epoch < t.epochs and not (t.patience and stale >= t.patience):
             self.epoch += 1
@@ -233,25 +306,11 @@ class Trainer:
                      self.epoch, row["train_loss"], row["val_loss"], 100 * row["val_wer"], 100 * row["val_cer"],
                      seconds, row["peak_mem_mb"])
 
-        best_state = torch.load(self.out_dir / BEST, map_location=self.device, weights_only=True)
-        test = self.evaluate("test", best_state)
-        results = self.summary("finished") | {
-            "test_wer": test["wer"], "test_cer": test["cer"], "test_loss": test["loss"],
-            "test_utterances": test["utterances"],
-        }
-        write_json(results_path, results)
-        tracker.summary({k: results[k] for k in ("test_wer", "test_cer", "best_val_wer", "best_epoch",
-                                                   "epoch_time_s", "peak_mem_mb", "params")})
-        tracker.finish()
-        log.info("%s: test WER %.1f%%, CER %.1f%% (best validation epoch %d)", name, 100 * test["wer"],
-                 100 * test["cer"], self.best["epoch"])
-        return results
-
     def summary(self, status: str) -> dict:
         cfg = to_container(self.cfg)
         times = [r["epoch_time_s"] for r in self.history]
         return {
-            "status": status, "config": cfg, "rnn": cfg["model"]["rnn"], "bn": cfg["model"]["bn"],
+            "status": status, "preset": self.preset, "config": cfg, "rnn": cfg["model"]["rnn"], "bn": cfg["model"]["bn"],
             "impl": cfg["model"]["impl"], "seed": self.cfg.seed, "study": self.cfg.study,
             "epochs": self.history, "best_epoch": self.best["epoch"], "best_val_wer": self.best["val_wer"],
             "epoch_time_s": sum(times) / len(times) if times else None,
@@ -273,5 +332,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def train(cfg: DictConfig, out_dir: Path) -> dict:
-    return Trainer(cfg, out_dir).run()
+def train(cfg: DictConfig, out_dir: Path, preset: str | None = None) -> dict:
+    """Run (or resume, or skip if finished) one training run in out_dir; preset names the experiment."""
+    return Trainer(cfg, out_dir, preset).run()

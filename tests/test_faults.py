@@ -1,0 +1,495 @@
+"""Bad input, faults and interruptions, each with the real thing: corrupted files, real signals, a real
+HTTP server that drops connections, an unreachable W&B server. Every refusal names the file and the fix;
+every handled case is counted in results.json and the log; nothing finished is lost.
+"""
+import http.server
+import io
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+from hydra import compose, initialize_config_dir
+
+from batchrnn import data, features, tracking
+from batchrnn.config import DataConfig
+from batchrnn.data import DataError, extract_archive, prepare_corpus
+from batchrnn.train import BEST, CHECKPOINT, RESULTS, RunError, TrainingDiverged, train
+from conftest import ROOT
+
+pytestmark = pytest.mark.filterwarnings("ignore:AN4 archive of unknown checksum", "ignore:.*skipping",
+                                        "ignore:.*normalised")
+RUN = [sys.executable, str(ROOT / "src" / "run.py")]
+
+
+def config(*overrides: str):
+    """The smoke preset composed, as conftest's make_config does, but usable in module-scoped fixtures."""
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=["experiment=smoke", *overrides])
+
+
+@pytest.fixture
+def smoke(smoke_root):
+    return lambda *overrides: config(f"data.root={smoke_root}", *overrides)
+
+
+def cli(*args: str, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([*RUN, *args], capture_output=True, text=True, timeout=timeout)
+
+
+# -- a copy of the corpus to break ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def archive(tmp_path_factory) -> Path:
+    """The smoke corpus as an archive (6 train speakers x 6, 2 test speakers x 6)."""
+    return data.make_synthetic_archive(tmp_path_factory.mktemp("pristine") / "an4.tar.gz")
+
+
+def edited(archive: Path, folder: Path, edit) -> Path:
+    """archive extracted into folder, changed by edit(an4_dir), packed again as folder/edited.tar.gz."""
+    extract_archive(archive, folder / "src")
+    edit(folder / "src" / "an4")
+    with tarfile.open(folder / "edited.tar.gz", "w:gz") as tar:
+        tar.add(folder / "src" / "an4", arcname="an4")
+    return folder / "edited.tar.gz"
+
+
+def train_lines(an4: Path) -> list[str]:
+    return (an4 / "etc" / "an4_train.transcription").read_text().splitlines()
+
+
+def set_train_lines(an4: Path, lines: list[str]) -> None:
+    (an4 / "etc" / "an4_train.transcription").write_text("\n".join(lines) + "\n")
+
+
+def uid(line: str) -> str:
+    return line.rsplit("(", 1)[1].rstrip(")")
+
+
+def training_speaker_lines(an4: Path) -> list[int]:
+    """Indices of train transcript lines whose speaker lands in the training split, not validation."""
+    lines = train_lines(an4)
+    speakers = sorted({uid(l).split("-")[1] for l in lines})
+    val = set(data.choose_val_speakers(speakers, DataConfig.val_fraction, DataConfig.split_seed))
+    return [i for i, l in enumerate(lines) if uid(l).split("-")[1] not in val]
+
+
+def prepare(archive: Path, root: Path):
+    return prepare_corpus(DataConfig(archive=str(archive), root=str(root)))
+
+
+# -- data: archives and folders -------------------------------------------------------------------
+
+def test_missing_archive_folder_or_root_names_the_path_and_the_fix(tmp_path):
+    with pytest.raises(DataError, match=r"nowhere\.tar\.gz: archive not found; check data\.archive"):
+        prepare(tmp_path / "nowhere.tar.gz", tmp_path / "root")
+    with pytest.raises(DataError, match="a folder, not an archive; set data.archive"):
+        prepare(tmp_path, tmp_path / "root")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(DataError, match="cannot create the data folder .*; set data.root to a writable folder"):
+        prepare(tmp_path / "nowhere.tar.gz", tmp_path / "file" / "root")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
+def test_unreadable_archive_names_the_path(tmp_path, archive):
+    copy = tmp_path / "an4.tar.gz"
+    copy.write_bytes(archive.read_bytes())
+    copy.chmod(0)
+    with pytest.raises(DataError, match="archive not readable; fix its permissions"):
+        prepare(copy, tmp_path / "root")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_corrupt_archive_is_refused_and_not_half_used(tmp_path, archive, damage):
+    blob = archive.read_bytes()
+    bad = tmp_path / "an4.tar.gz"
+    bad.write_bytes(blob[: len(blob) // 2] if damage == "truncated" else os.urandom(len(blob)))
+    with pytest.raises(DataError, match="truncated or corrupt archive .*delete it and fetch it again") as e:
+        prepare(bad, tmp_path / "root")
+    assert str(bad) in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "root" / "an4" / data.MARKER).exists()  # the next run extracts afresh
+
+
+@pytest.mark.parametrize("kind", ["dotdot", "absolute", "symlink", "hardlink"])
+def test_member_outside_the_target_is_refused(tmp_path, kind):
+    evil = tmp_path / "evil.tar"
+    outside = tmp_path / "outside"
+    with tarfile.open(evil, "w") as tar:
+        info = tarfile.TarInfo({"dotdot": "an4/../../outside", "absolute": str(outside)}.get(kind, "an4/link"))
+        if kind == "symlink":
+            info.type, info.linkname = tarfile.SYMTYPE, str(outside)
+        elif kind == "hardlink":
+            info.type, info.linkname = tarfile.LNKTYPE, "../outside"
+        else:
+            info.size = 4
+        tar.addfile(info, io.BytesIO(b"boom") if info.size else None)
+    with pytest.raises(DataError, match=rf"{re.escape(str(evil))}: refusing member"):
+        extract_archive(evil, tmp_path / "root")
+    assert not outside.exists()
+
+
+# -- data: audio ---------------------------------------------------------------------------------
+
+def _break(how: str):
+    def edit(an4: Path):
+        path = sorted((an4 / "wav").rglob("*.sph"))[0]
+        blob = path.read_bytes()
+        if how == "truncated":
+            path.write_bytes(blob[: 1024 + (len(blob) - 1024) // 2])
+        elif how == "garbage":
+            path.write_bytes(os.urandom(len(blob)))
+        elif how == "header only":
+            path.write_bytes(blob[:1024])
+        elif how == "empty":
+            path.write_bytes(b"")
+        elif how == "wav":
+            sf.write(path, np.zeros(8000), 16000, format="WAV")
+    return edit
+
+
+@pytest.mark.parametrize("how,words", [
+    ("truncated", "truncated SPHERE file"), ("garbage", "not a readable SPHERE file"),
+    ("header only", "a SPHERE header without samples"), ("empty", "empty audio file"),
+    ("wav", "WAV audio where AN4 has NIST SPHERE"),
+])
+def test_broken_audio_is_refused_naming_the_file_and_the_fix(tmp_path, archive, how, words):
+    bad = edited(archive, tmp_path, _break(how))
+    with pytest.raises(DataError, match=words) as e:
+        prepare(bad, tmp_path / "root")
+    assert re.search(r"syn\d-\w+-b\.sph: ", str(e.value))
+    assert "delete it to leave that utterance out" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_audio_broken_after_preparation_is_caught_too(tmp_path, archive):
+    corpus = prepare(archive, tmp_path / "root")
+    path = Path(corpus.splits["test"][0].path)
+    path.write_bytes(path.read_bytes()[:2048])  # cut after preparation: the next run still notices
+    with pytest.raises(DataError, match=rf"{re.escape(str(path))}: truncated SPHERE file"):
+        prepare(archive, tmp_path / "root")
+
+
+# -- data: transcripts ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,words", [("YES 42", r"outside the alphabet: '24'"),
+                                        ("TWENTY-ONE", "outside the alphabet: '-'"), ("", "empty transcript")])
+def test_bad_transcript_is_refused_with_utterance_and_line(tmp_path, archive, text, words):
+    def edit(an4):
+        lines = train_lines(an4)
+        lines[3] = f"<s> {text} </s> ({uid(lines[3])})"
+        set_train_lines(an4, lines)
+    bad = edited(archive, tmp_path, edit)
+    with pytest.raises(DataError, match=words) as e:
+        prepare(bad, tmp_path / "root")
+    lines = (tmp_path / "src" / "an4" / "etc" / "an4_train.transcription").read_text().splitlines()
+    assert f"an4_train.transcription:4: utterance {uid(lines[3])}: " in str(e.value)
+    assert "correct that line, or delete it" in str(e.value)
+
+
+# -- data: what is handled, end to end: counted in results.json and in the log ---------------------
+
+@pytest.fixture(scope="module")
+def handled(archive, tmp_path_factory):
+    """One smoke run on a corpus with a lower-case, punctuated transcript, a transcript without audio,
+    audio without a transcript and a label too long for CTC: (results.json, log text, the ids)."""
+    folder = tmp_path_factory.mktemp("handled")
+    ids = {}
+
+    def edit(an4):
+        lines, rows = train_lines(an4), training_speaker_lines(an4)
+        ids["normalized"], ids["no_audio"], ids["no_transcript"], ids["ctc"] = (uid(lines[i]) for i in rows[:4])
+        words = lines[rows[0]].split("<s> ")[1].split(" </s>")[0].split()
+        lines[rows[0]] = f"<s> {', '.join(words).lower()}! </s> ({ids['normalized']})"
+        next((an4 / "wav").rglob(f"{ids['no_audio']}.sph")).unlink()
+        lines[rows[3]] = f"<s> {' '.join(['YES STOP'] * 30)} </s> ({ids['ctc']})"
+        set_train_lines(an4, [l for i, l in enumerate(lines) if i != rows[2]])
+
+    bad = edited(archive, folder, edit)
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("batchrnn").addHandler(handler)
+    try:
+        train(config("data.corpus=an4", f"data.archive={bad}", f"data.root={folder / 'root'}"), folder / "run")
+    finally:
+        logging.getLogger("batchrnn").removeHandler(handler)
+    return json.loads((folder / "run" / RESULTS).read_text()), "\n".join(records), ids
+
+
+def test_normalised_transcript_is_counted_and_logged(handled):
+    results, log, ids = handled
+    assert results["corpus"]["normalized"] == {"train": 1, "test": 0}
+    assert results["corpus"]["normalized_ids"]["train"] == [ids["normalized"]]
+    assert re.search(rf"1 train transcripts normalised \(case or punctuation\): {ids['normalized']}", log)
+
+
+def test_transcript_without_audio_and_audio_without_transcript_are_counted_and_logged(handled):
+    results, log, ids = handled
+    assert results["corpus"]["skipped"]["train"] == {"no_audio": 1, "no_transcript": 1}
+    assert results["corpus"]["skipped_ids"]["train"] == {"no_audio": [ids["no_audio"]],
+                                                         "no_transcript": [ids["no_transcript"]]}
+    assert f"skipping 1 train utterances without audio: {ids['no_audio']}" in log
+    assert f"skipping 1 train utterances without a transcript: {ids['no_transcript']}" in log
+
+
+def test_label_too_long_for_ctc_is_left_out_counted_and_logged(handled):
+    results, log, ids = handled
+    assert results["status"] == "finished" and results["ctc_skipped_utterances"] == [ids["ctc"]]
+    assert "1 training utterances have more labels than the model's output frames allow" in log
+    assert ids["ctc"] in log
+
+
+# -- config ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key,value,allowed", [("model.rnn", "transformer", "[gru, lstm, rnn]"),
+                                               ("model.bn", "layer", "[none, post, input, skip, seqwise]")])
+def test_unknown_variant_on_the_command_line(tmp_path, key, value, allowed):
+    run = cli(f"{key}={value}", f"hydra.run.dir={tmp_path / 'run'}", timeout=60)
+    assert run.returncode != 0 and "Traceback" not in run.stderr
+    assert f"{key}={value}" in run.stderr and f"Invalid value '{value}', expected one of {allowed}" in run.stderr
+    assert not (tmp_path / "run").exists()  # refused before any work
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model.impl=cells", "model.bn=post"], "model.impl=cells with model.bn=post: the cell reference exists for "
+                                            "model.bn=seqwise only; use model.impl=fused"),
+    (["train.max_skipped_steps=0"], "train.max_skipped_steps=0: must be positive"),
+])
+def test_impossible_value_on_the_command_line(tmp_path, overrides, message):
+    run = cli(*overrides, f"hydra.run.dir={tmp_path}", timeout=60)
+    assert run.returncode == 2 and "Traceback" not in run.stdout + run.stderr
+    assert f"error: {message}\n" in run.stdout + run.stderr
+    assert not (tmp_path / RESULTS).exists()
+
+
+# -- training: non-finite steps --------------------------------------------------------------------
+
+def test_non_finite_step_is_skipped_and_counted(tmp_path, caplog):
+    cfg = config(f"data.root={tmp_path / 'data'}")
+    corpus = prepare_corpus(cfg.data)
+    bad = corpus.splits["train"][5].id
+    features.load_features(corpus, "train", cfg.data)
+    path = features.cache_path(corpus, "train", cfg.data)
+    blob = torch.load(path)
+    start = sum(blob["lengths"][:5])
+    blob["feats"][start:start + 3] = float("nan")  # three frames of one utterance, in the real cache file
+    torch.save(blob, path)
+    results = train(cfg, tmp_path / "run")
+    assert results["status"] == "finished"
+    assert results["skipped_steps"] == 2 and [e["skipped_steps"] for e in results["epochs"]] == [1, 2]
+    # the skipped step's BatchNorm statistics were taken back: evaluation stays finite
+    assert all(np.isfinite([e["val_loss"], e["train_loss"]]).all() for e in results["epochs"])
+    assert np.isfinite(results["test_loss"])
+    assert re.search(rf"epoch 1 step \d+: non-finite loss or gradient, step skipped .*{bad}", caplog.text)
+
+
+def test_persistent_non_finite_steps_stop_the_run_and_keep_what_was_done(smoke, tmp_path):
+    cfg = smoke("train.lr=1e30", "train.max_skipped_steps=3")  # the first step sends every weight to 1e30
+    with pytest.raises(TrainingDiverged, match=r"4 steps in a row .* epoch 2; the run has diverged\. Lower "
+                                               r"train\.lr \(now 1e\+30\) or check the data"):
+        train(cfg, tmp_path)
+    results = json.loads((tmp_path / RESULTS).read_text())
+    assert results["status"] == "running" and [e["epoch"] for e in results["epochs"]] == [1]
+    assert results["skipped_steps"] == 3 and (tmp_path / CHECKPOINT).exists()
+
+
+def test_sweep_goes_on_past_a_diverged_run_and_a_restart_skips_the_finished_one(tmp_path, smoke_root):
+    args = ["-m", f"data.root={smoke_root}", f"hydra.sweep.dir={tmp_path}", "experiment=smoke",
+            "train.lr=3e-3,1e30", "train.max_skipped_steps=3"]
+    first = cli(*args)
+    good, bad = sorted((p.parent for p in tmp_path.rglob(RESULTS)),
+                       key=lambda run: json.loads((run / RESULTS).read_text())["config"]["train"]["lr"])
+    assert first.returncode == 3, first.stderr[-2000:]
+    assert "Traceback" not in first.stderr and "error: 1 runs of this sweep stopped early" in first.stderr
+    assert len(re.findall(r"error: .*the run has diverged", first.stdout)) == 1
+    assert json.loads((good / RESULTS).read_text())["status"] == "finished"
+    assert json.loads((bad / RESULTS).read_text())["status"] == "running"
+    mtime = (good / CHECKPOINT).stat().st_mtime_ns
+    again = cli(*args)
+    assert again.returncode == 3 and "is finished; train.rerun=true runs it again" in again.stdout
+    assert (good / CHECKPOINT).stat().st_mtime_ns == mtime  # not trained again
+    assert len(json.loads((bad / RESULTS).read_text())["epochs"]) == 1  # resumed, diverged again, kept epoch 1
+
+
+def test_data_error_stops_a_sweep_with_one_line(tmp_path):
+    bad = tmp_path / "an4_sphere.tar.gz"
+    bad.write_bytes(b"not an archive" * 100)
+    run = cli("-m", "experiment=smoke", "data.corpus=an4", f"data.archive={bad}", f"data.root={tmp_path / 'root'}",
+              f"hydra.sweep.dir={tmp_path / 'sweep'}", "model.rnn=gru,lstm")
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    errors = re.findall(r"error: .*", run.stdout)
+    assert len(errors) == 1 and f"{bad}: truncated or corrupt archive" in errors[0]  # the second job never ran
+    assert "delete it and fetch it again" in errors[0]
+    assert not list((tmp_path / "sweep").rglob(RESULTS))
+
+
+# -- training: interruptions and damaged run folders -----------------------------------------------
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, smoke_root):
+    return train(config(f"data.root={smoke_root}", "train.epochs=6"), tmp_path_factory.mktemp("whole"))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_killed_run_resumes_and_ends_as_if_never_killed(tmp_path, smoke_root, uninterrupted, sig):
+    run = tmp_path / "run"
+    args = ["experiment=smoke", f"data.root={smoke_root}", f"hydra.run.dir={run}", "train.epochs=6"]
+    with open(tmp_path / "out.log", "w+") as out:
+        proc = subprocess.Popen([*RUN, *args], stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while not (run / CHECKPOINT).exists():  # epoch 1 is complete: kill it in epoch 2 or later
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it was killed"
+            time.sleep(0.01)
+        proc.send_signal(sig)
+        code = proc.wait(timeout=60)
+        out.seek(0)
+        log = out.read()
+    assert code == (128 + sig if sig == signal.SIGTERM else -sig), log[-2000:]
+    if sig == signal.SIGTERM:
+        assert "stopped by SIGTERM; run the same command again to resume" in log and "Traceback" not in log
+    if (run / RESULTS).exists():
+        assert json.loads((run / RESULTS).read_text())["status"] == "running"
+    # a process killed while writing leaves its temporary file: it must not matter
+    (run / f".{CHECKPOINT}.999999.tmp").write_bytes(b"half a checkpoint")
+    (run / f".{RESULTS}.999999.tmp").write_text('{"status": "fini')
+    resumed = cli(*args)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed" in resumed.stdout
+    results = json.loads((run / RESULTS).read_text())
+    assert results["status"] == "finished" and results.keys() == uninterrupted.keys()
+    assert [e["epoch"] for e in results["epochs"]] == [1, 2, 3, 4, 5, 6]
+    assert [e["train_loss"] for e in results["epochs"]] == pytest.approx(
+        [e["train_loss"] for e in uninterrupted["epochs"]], rel=1e-5)
+    assert not list(run.glob(".*.tmp"))
+
+
+def test_damaged_checkpoint_names_the_file_and_the_fix(smoke, tmp_path):
+    train(smoke("train.epochs=1"), tmp_path)
+    (tmp_path / RESULTS).unlink()  # as if stopped before finishing
+    checkpoint = tmp_path / CHECKPOINT
+    whole = checkpoint.read_bytes()
+    checkpoint.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(RunError, match=rf"{re.escape(str(checkpoint))}: unreadable .*; delete checkpoint.pt"):
+        train(smoke("train.epochs=1"), tmp_path)
+    checkpoint.write_bytes(whole)  # whole again, but of another model
+    with pytest.raises(RunError, match="does not fit this model .*train.rerun=true"):
+        train(smoke("train.epochs=1", "model.hidden_size=16"), tmp_path)
+
+
+def test_damaged_results_of_a_finished_run_are_rebuilt_without_training(smoke, tmp_path, caplog):
+    first = train(smoke(), tmp_path)
+    mtimes = {name: (tmp_path / name).stat().st_mtime_ns for name in (CHECKPOINT, BEST)}
+    (tmp_path / RESULTS).write_text('{"status": "fini')
+    again = train(smoke(), tmp_path)
+    assert "unreadable" in caplog.text and (tmp_path / f"{RESULTS}.unreadable").exists()
+    assert {name: (tmp_path / name).stat().st_mtime_ns for name in (CHECKPOINT, BEST)} == mtimes
+    assert again["status"] == "finished" and again["epochs"] == first["epochs"]
+    assert again["test_wer"] == first["test_wer"]
+
+
+def test_corrupt_feature_cache_is_computed_again(tmp_path, smoke):
+    cfg = smoke()
+    corpus = prepare_corpus(cfg.data)
+    corpus = data.Corpus(corpus.name, tmp_path, corpus.splits, corpus.summary)  # its own cache folder
+    fs = features.load_features(corpus, "val", cfg.data)
+    features.cache_path(corpus, "val", cfg.data).write_bytes(os.urandom(5000))
+    with pytest.warns(UserWarning, match="unreadable feature cache .*computing it again"):
+        assert features.load_features(corpus, "val", cfg.data).lengths == fs.lengths
+
+
+# -- logging ---------------------------------------------------------------------------------------
+
+def test_unreachable_wandb_server_falls_back_to_offline_and_training_completes(smoke, tmp_path, monkeypatch,
+                                                                                caplog):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home" / "wandb"))
+    monkeypatch.setenv("NETRC", str(tmp_path / "home" / ".netrc"))
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # the discard port: nothing listens
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setattr(tracking, "INIT_TIMEOUT_S", 2)
+    results = train(smoke("logger.mode=online"), tmp_path / "run")
+    assert results["status"] == "finished"
+    assert "W&B online init failed" in caplog.text and "logging offline" in caplog.text
+    history = [h for h in tracking.read_offline_run(tmp_path / "run")["history"] if "val/wer" in h]
+    assert [h["val/wer"] for h in history] == pytest.approx([e["val_wer"] for e in results["epochs"]])
+
+
+# -- downloads -------------------------------------------------------------------------------------
+
+class FlakyServer(http.server.ThreadingHTTPServer):
+    """Serves one payload with Range support; the first `drops` responses stop halfway and hang up."""
+
+    def __init__(self, payload: bytes, drops: int):
+        self.payload, self.drops, self.requests = payload, drops, []
+        super().__init__(("127.0.0.1", 0), FlakyHandler)
+
+
+class FlakyHandler(http.server.BaseHTTPRequestHandler):
+    timeout = 10  # a stuck client cannot hold the server past the test
+
+    def do_GET(self):
+        server, payload = self.server, self.server.payload
+        server.requests.append(self.headers.get("Range"))
+        start = int(re.match(r"bytes=(\d+)-", self.headers.get("Range", "bytes=0-"))[1])
+        self.send_response(206 if start else 200)
+        if start:
+            self.send_header("Content-Range", f"bytes {start}-{len(payload) - 1}/{len(payload)}")
+        self.send_header("Content-Length", str(len(payload) - start))
+        self.end_headers()
+        body = payload[start:]
+        if server.drops:
+            server.drops -= 1
+            body = body[: len(body) // 2]  # then the connection closes: a short read
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def serve(monkeypatch):
+    for var in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(data, "RETRY_WAIT_S", 0.01)
+    servers = []
+
+    def start(payload: bytes, drops: int) -> FlakyServer:
+        server = FlakyServer(payload, drops)
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def test_broken_download_is_resumed_and_complete(tmp_path, serve, archive):
+    payload = archive.read_bytes()
+    server = serve(payload, drops=1)
+    url = f"http://127.0.0.1:{server.server_port}/an4_sphere.tar.gz"
+    path = data.fetch_archive(url, [], tmp_path)
+    assert path.read_bytes() == payload and not list(tmp_path.glob("*.part"))
+    assert server.requests == [None, f"bytes={len(payload) // 2}-"]  # the second asked for the rest only
+
+
+def test_failing_download_names_the_url_and_leaves_nothing_behind(tmp_path, serve, archive):
+    server = serve(archive.read_bytes(), drops=100)
+    url = f"http://127.0.0.1:{server.server_port}/an4_sphere.tar.gz"
+    with pytest.raises(DataError, match=f"{re.escape(url)}: download failed after 4 tries .*set data.archive "
+                                        "to a local copy"):
+        prepare_corpus(DataConfig(archive=url, root=str(tmp_path)))
+    assert len(server.requests) == 4 and not list(tmp_path.iterdir())

@@ -30,8 +30,9 @@ VARIANTS = [(bn, Impl.fused) for bn in BNMode] + [(BNMode.seqwise, Impl.cells)]
 class Stack(nn.Module):
     def __init__(self, rnn, bn, impl, args):
         super().__init__()
+        sizes = [args.input or args.hidden] + [args.hidden] * (args.layers - 1)
         self.layers = nn.ModuleList(
-            build_recurrent_layer(rnn, bn.value, args.hidden, args.hidden, impl=impl.value) for _ in range(args.layers)
+            build_recurrent_layer(rnn, bn.value, d_in, args.hidden, impl=impl.value) for d_in in sizes
         )
 
     def forward(self, x, lengths):
@@ -77,6 +78,7 @@ def main() -> None:
     p.add_argument("--frames", type=int, default=200)
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--input", type=int, default=0, help="first layer's input width (0: --hidden); an4_cpu's is 512")
     p.add_argument("--ragged", action="store_true", help="lengths spread over [frames/2, frames]")
     p.add_argument("--repeats", type=int, default=10, help="timed rounds; each times every variant once")
     p.add_argument("--warmup", type=int, default=2)
@@ -88,7 +90,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     torch.manual_seed(0)
-    x = torch.randn(args.frames, args.batch, args.hidden, device=device)
+    x = torch.randn(args.frames, args.batch, args.input or args.hidden, device=device)
     lengths = torch.full((args.batch,), args.frames, device=device)
     if args.ragged:
         lengths = torch.linspace(args.frames // 2, args.frames, args.batch, device=device).long()
@@ -114,7 +116,8 @@ def main() -> None:
                          "peak_mb": round(mem[v], 1), "time_ratio": round(ms / (1000 * statistics.median(times[base])), 3),
                          "mem_ratio": round(mem[v] / mem[base], 3)})
     print(f"device {device} ({torch.get_num_threads()} threads), torch {torch.__version__}, batch {args.batch}, "
-          f"frames {args.frames}, layers {args.layers}, hidden {args.hidden}, bidirectional, "
+          f"frames {args.frames}, layers {args.layers}, input {args.input or args.hidden}, hidden {args.hidden}, "
+          "bidirectional, "
           f"{'ragged' if args.ragged else 'full'} lengths, median of {args.repeats} interleaved rounds")
     print(f"{'rnn':5} {'bn':8} {'impl':6} {'ms':>9} {'peak MB':>9} {'time x':>7} {'mem x':>7}")
     for r in rows:

@@ -4,7 +4,7 @@ import torch
 
 from batchrnn.config import BNMode, Impl, RNNType
 from batchrnn.model import build_recurrent_layer
-from batchrnn.rnn import LAYERS
+from batchrnn.rnn import LAYERS, Gram
 
 T, N, D, H = 9, 3, 5, 4
 LENGTHS = torch.tensor([9, 5, 2])
@@ -134,3 +134,8 @@ def test_unidirectional_layer():
     m = build_recurrent_layer("gru", "seqwise", D, H, bidirectional=False)
     assert m(torch.randn(T, N, D), LENGTHS).shape == (T, N, H)
     assert Impl(m.impl) is Impl.fused
+
+
+def test_gram_backward_is_autograds():
+    x = torch.randn(7, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(Gram.apply, (x,))

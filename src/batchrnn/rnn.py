@@ -54,6 +54,21 @@ def masked_moments(x: torch.Tensor, mask: torch.Tensor, channel_dim: int):
     return mean.flatten(), var.flatten(), count
 
 
+class Gram(torch.autograd.Function):
+    """x^T x with the backward that uses its symmetry: one matmul, where autograd of `x.t() @ x` would
+    do two (one per operand). On the fold's hot path, the statistic that costs D^2 per frame."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x.t() @ x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return x @ (grad + grad.t())
+
+
 class MaskedBatchNorm(nn.BatchNorm1d):
     """Sequence-wise BatchNorm whose statistics count valid frames only (never padding).
 
@@ -226,7 +241,7 @@ class ProjectedBNLayer(RecurrentLayer):
                 xf, wf = full_precision(x.flatten(0, 1)), full_precision(w)  # (T*N, D), zero on padding
                 count = mask.sum()
                 mean = wf @ (xf.sum(0) / count)  # (copies, width)
-                second = ((wf @ (xf.t() @ xf / count)) * wf).sum(-1)
+                second = ((wf @ (Gram.apply(xf) / count)) * wf).sum(-1)
                 stats = (mean.flatten(), (second - mean.square()).flatten(), count)
         else:
             stats = (None, None, 0)

@@ -275,7 +275,7 @@ class Trainer:
     def train_epochs(self, tracker) -> None:
         """Train, validate and checkpoint epoch by epoch up to train.epochs (or patience)."""
         t, results_path = self.cfg.train, self.out_dir / RESULTS
-        stale = 0
+        stale = self.epoch - self.best["epoch"]  # a resumed run keeps its patience count
         while self.epoch < t.epochs and not (t.patience and stale >= t.patience):
             self.epoch += 1
             reset_peak_memory(self.device)

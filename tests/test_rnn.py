@@ -4,7 +4,7 @@ import torch
 
 from batchrnn.config import BNMode, Impl, RNNType
 from batchrnn.model import build_recurrent_layer
-from batchrnn.rnn import LAYERS, Gram
+from batchrnn.rnn import GATES, LAYERS, Gram, cheaper_route, projected_moments
 
 T, N, D, H = 9, 3, 5, 4
 LENGTHS = torch.tensor([9, 5, 2])
@@ -139,3 +139,39 @@ def test_unidirectional_layer():
 def test_gram_backward_is_autograds():
     x = torch.randn(7, 4, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(Gram.apply, (x,))
+
+
+def test_both_moment_routes_agree_in_value_and_gradient():
+    x = torch.randn(40, 6, dtype=torch.float64)
+    x[35:] = 0  # padding rows are zero, as the layer hands them over
+    w = torch.randn(2, 12, 6, dtype=torch.float64)
+    results = []
+    for route in ("gram", "direct"):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        mean, second = projected_moments(xr, wr, 35, route)
+        grads = torch.autograd.grad((mean.sin() + second.cos()).sum(), [xr, wr])
+        results.append((mean, second, *grads))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    z = x[:35] @ w.transpose(1, 2)  # (copies, frames, width)
+    torch.testing.assert_close(results[0][1], z.square().mean(1), rtol=1e-12, atol=1e-12)
+
+
+def test_route_follows_cost():
+    assert cheaper_route(frames=3200, d=256, copies=2, width=768) == "gram"  # long batches
+    assert cheaper_route(frames=200, d=512, copies=2, width=1024) == "direct"  # short batch, wide input
+
+
+@pytest.mark.parametrize("rnn", ["gru", "lstm"])
+def test_seqwise_fused_matches_cells_on_the_direct_route(rnn):
+    torch.manual_seed(0)
+    lengths = torch.tensor([30, 22, 9, 30])
+    cells = build_recurrent_layer(rnn, "seqwise", 48, 2, impl="cells").double()
+    fused = build_recurrent_layer(rnn, "seqwise", 48, 2).double()
+    fused.load_state_dict(cells.state_dict())
+    assert cheaper_route(30 * 4, 48, 2, GATES[RNNType(rnn)] * 2) == "direct"
+    x = torch.randn(30, 4, 48, dtype=torch.float64, requires_grad=True)
+    ys = [m(x, lengths) for m in (cells, fused)]
+    torch.testing.assert_close(ys[0], ys[1], rtol=1e-10, atol=1e-12)
+    for a, b in zip(*(torch.autograd.grad(y.sum(), [x, *m.parameters()]) for y, m in zip(ys, (cells, fused)))):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

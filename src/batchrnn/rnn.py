@@ -8,8 +8,8 @@ which was 2.3x slower on the CPU).
 How x enters the gates is all that differs between variants. Each gives, per direction, an effective
 input weight and bias (W', b') with gate pre-activations W' x + b'. For sequence-wise BN of W x that is
 the fold BN(W x) = diag(s) W x + (beta - s mu), s = gamma / sqrt(var + eps), with mu and var the
-moments of W x over valid frames, computed from those of x: exact, and autograd differentiates
-through s and mu.
+moments of W x over valid frames, computed through E[x x^T] or W x, whichever is cheaper for the
+batch: exact either way, and autograd differentiates through s and mu.
 """
 import math
 

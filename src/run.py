@@ -4,8 +4,8 @@
     python src/run.py -m model.rnn=gru,lstm model.bn=seqwise,post,none
 
 A problem the user can fix ends in one `error: ...` line and exit status 2 (3: training diverged); a
-sweep goes on past a run that diverged or has a damaged folder and, with the serial launcher, exits with
-that status at the end.
+sweep goes on past a run that diverged or has a damaged folder and exits with that status at the end,
+whichever launcher ran it (batchrnn.sweep).
 """
 import logging
 import math
@@ -21,25 +21,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from batchrnn.config import ConfigError, register_configs, validate
+from batchrnn.sweep import job_threads, record_failed_job
 
 register_configs()
 log = logging.getLogger("batchrnn")
-FAILED: list[int] = []  # exit statuses of sweep jobs that failed on their own while the sweep went on
-
-
-def job_threads(launcher: DictConfig, cores: int) -> int:
-    """torch threads for one job when train.threads=0: the cores shared among the jobs that run at once.
-
-    joblib runs n_jobs at once (-1: one per core), so each gets cores // n_jobs; submitit gets the
-    cpus_per_task it asked for; the basic launcher runs one job at a time and keeps torch's default (0).
-    """
-    if str(launcher.get("_target_", "")).endswith("JoblibLauncher"):
-        n = launcher.get("n_jobs") or 1
-        at_once = cores + 1 + n if n < 0 else n  # joblib's convention: -2 is every core but one
-        return max(1, cores // max(1, at_once))
-    return launcher.get("cpus_per_task") or 0
-
-
 def stop_on_sigterm(signum, frame):
     # Raised between two bytecodes of the main thread: a half-written file's temporary copy is removed
     # on the way out, and the last complete epoch's checkpoint is there for the next start.
@@ -74,7 +59,7 @@ def main(cfg: DictConfig) -> float:
         code = 3 if isinstance(e, TrainingDiverged) else 2
         if HydraConfig.get().mode is not RunMode.MULTIRUN:
             sys.exit(code)
-        FAILED.append(code)
+        record_failed_job(code)
         return math.nan
     except KeyboardInterrupt:
         log.warning("interrupted; run the same command again to resume from the last complete epoch")
@@ -84,7 +69,3 @@ def main(cfg: DictConfig) -> float:
 
 if __name__ == "__main__":
     main()
-    if FAILED:
-        print(f"error: {len(FAILED)} runs of this sweep stopped early; their 'error:' lines above say why",
-              file=sys.stderr)
-        sys.exit(max(FAILED))

@@ -1,6 +1,7 @@
 """Bad input, faults and interruptions, each with the real thing: corrupted files, real signals, a real
-HTTP server that drops connections, an unreachable W&B server. Every refusal names the file and the fix;
-every handled case is counted in results.json and the log; nothing finished is lost.
+HTTP server that drops connections, an unreachable W&B server and one that goes away mid-run. Every
+refusal names the file and the fix; every handled case is counted in results.json and the log; nothing
+finished is lost.
 """
 import http.server
 import io
@@ -300,24 +301,26 @@ def test_persistent_non_finite_steps_stop_the_run_and_keep_what_was_done(smoke, 
                                                r"train\.lr \(now 1e\+30\) or check the data"):
         train(cfg, tmp_path)
     results = json.loads((tmp_path / RESULTS).read_text())
-    assert results["status"] == "running" and [e["epoch"] for e in results["epochs"]] == [1]
-    assert results["skipped_steps"] == 3 and (tmp_path / CHECKPOINT).exists()
+    assert results["status"] == "diverged" and [e["epoch"] for e in results["epochs"]] == [1]
+    assert "the run has diverged" in results["error"] and (tmp_path / CHECKPOINT).exists()
+    assert results["skipped_steps"] == 4  # 3 in epoch 1, the 4th in epoch 2 stopped it
 
 
-def test_sweep_goes_on_past_a_diverged_run_and_a_restart_skips_the_finished_one(tmp_path, smoke_root):
+@pytest.mark.parametrize("launcher", ["basic", "parallel"])  # parallel: the jobs run in other processes
+def test_sweep_goes_on_past_a_diverged_run_and_a_restart_skips_the_finished_one(tmp_path, smoke_root, launcher):
     args = ["-m", f"data.root={smoke_root}", f"hydra.sweep.dir={tmp_path}", "experiment=smoke",
-            "train.lr=3e-3,1e30", "train.max_skipped_steps=3"]
+            "train.lr=3e-3,1e30", "train.max_skipped_steps=3", f"hydra/launcher={launcher}"]
     first = cli(*args)
     good, bad = sorted((p.parent for p in tmp_path.rglob(RESULTS)),
                        key=lambda run: json.loads((run / RESULTS).read_text())["config"]["train"]["lr"])
     assert first.returncode == 3, first.stderr[-2000:]
     assert "Traceback" not in first.stderr and "error: 1 runs of this sweep stopped early" in first.stderr
-    assert len(re.findall(r"error: .*the run has diverged", first.stdout)) == 1
+    assert len(re.findall(r"error: .*the run has diverged", (bad / "run.log").read_text())) == 1  # Hydra's job log
     assert json.loads((good / RESULTS).read_text())["status"] == "finished"
-    assert json.loads((bad / RESULTS).read_text())["status"] == "running"
+    assert json.loads((bad / RESULTS).read_text())["status"] == "diverged"
     mtime = (good / CHECKPOINT).stat().st_mtime_ns
     again = cli(*args)
-    assert again.returncode == 3 and "is finished; train.rerun=true runs it again" in again.stdout
+    assert again.returncode == 3 and "is finished; train.rerun=true runs it again" in (good / "run.log").read_text()
     assert (good / CHECKPOINT).stat().st_mtime_ns == mtime  # not trained again
     assert len(json.loads((bad / RESULTS).read_text())["epochs"]) == 1  # resumed, diverged again, kept epoch 1
 
@@ -423,6 +426,80 @@ def test_unreachable_wandb_server_falls_back_to_offline_and_training_completes(s
     assert results["status"] == "finished"
     assert "W&B online init failed" in caplog.text and "logging offline" in caplog.text
     history = [h for h in tracking.read_offline_run(tmp_path / "run")["history"] if "val/wer" in h]
+    assert [h["val/wer"] for h in history] == pytest.approx([e["val_wer"] for e in results["epochs"]])
+
+
+class FakeWandbServer(http.server.ThreadingHTTPServer):
+    """Just enough of a W&B server for an online run to start and stream: one GraphQL answer that holds
+    every field wandb's init reads, upload URLs for the run's files, and 200 for everything else."""
+
+    ANSWER = {"data": {
+        "viewer": {"id": "u1", "entity": "tester", "username": "tester", "flags": "{}", "teams": {"edges": []}},
+        "serverInfo": {"features": [], "cliVersionInfo": {}, "latestLocalVersionInfo": None},
+        "upsertBucket": {"inserted": True, "bucket": {
+            "id": "b1", "name": "run1", "displayName": "run1", "description": "", "config": "{}",
+            "sweepName": None, "historyLineCount": 0, "eventsLineCount": 0, "logLineCount": 0,
+            "summaryMetrics": "{}", "historyTail": "[]",
+            "project": {"id": "p1", "name": "batchrnn", "entity": {"id": "e1", "name": "tester"}}}},
+    }}
+
+    def __init__(self):
+        super().__init__(("127.0.0.1", 0), FakeWandbHandler)
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class FakeWandbHandler(http.server.BaseHTTPRequestHandler):
+    timeout = 10
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        answer = {}
+        if self.path.startswith("/graphql"):
+            request = json.loads(body)
+            answer = self.server.ANSWER
+            if "CreateRunFiles" in request["query"]:
+                answer = {"data": {"createRunFiles": {"runID": "run1", "uploadHeaders": [], "files": [
+                    {"name": f, "uploadUrl": f"{self.server.url}/upload/{f}"} for f in request["variables"]["files"]]}}}
+        out = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    do_PUT = do_GET = do_POST
+
+    def log_message(self, *args):
+        pass
+
+
+def test_wandb_server_lost_mid_run_costs_only_the_upload(smoke, tmp_path, monkeypatch, caplog):
+    """Online start, then the server goes away after epoch 1: training finishes, finish gives up after
+    FINISH_TIMEOUT_S instead of waiting forever (wandb's default), and every epoch is on disk to sync."""
+    server = FakeWandbServer()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    for name, value in {"HOME": tmp_path / "home", "WANDB_CONFIG_DIR": tmp_path / "home" / "wandb",
+                        "NETRC": tmp_path / "home" / ".netrc", "WANDB_API_KEY": "x" * 40,
+                        "WANDB_BASE_URL": server.url}.items():
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setattr(tracking, "FINISH_TIMEOUT_S", 3)
+    log_epoch = tracking.WandbTracker.log
+
+    def log_then_lose_the_server(self, metrics, step):
+        log_epoch(self, metrics, step)
+        if step == 1:
+            server.shutdown()
+            server.server_close()  # connections are refused from here on
+
+    monkeypatch.setattr(tracking.WandbTracker, "log", log_then_lose_the_server)
+    start = time.monotonic()
+    results = train(smoke("logger.mode=online"), tmp_path / "run")
+    assert results["status"] == "finished" and len(results["epochs"]) > 1
+    assert time.monotonic() - start < 120  # without finish_timeout, wandb's finish blocks for good
+    assert "W&B online init failed" not in caplog.text  # it did start online
+    assert "W&B could not finish the run" in caplog.text and "wandb sync" in caplog.text
+    history = [h for h in tracking.read_offline_run(tmp_path / "run", prefix="run")["history"] if "val/wer" in h]
     assert [h["val/wer"] for h in history] == pytest.approx([e["val_wer"] for e in results["epochs"]])
 
 

@@ -42,6 +42,9 @@ def sweep(tmp_path):
     running.update(status="running", seed=2, epochs=running["epochs"][:2])
     (root / "gru-none" / "seed2").mkdir()
     (root / "gru-none" / "seed2" / "results.json").write_text(json.dumps(running))
+    (root / "lstm-none" / "seed3").mkdir()  # stopped by TrainingDiverged
+    diverged = running | {"status": "diverged", "seed": 3, "rnn": "lstm", "error": "the run has diverged"}
+    (root / "lstm-none" / "seed3" / "results.json").write_text(json.dumps(diverged))
     (root / "broken").mkdir()
     (root / "broken" / "results.json").write_text('{"status": "finis')
     return root
@@ -60,7 +63,7 @@ def test_report(sweep, tmp_path):
 
     assert "Study report: fake" in text and "an4_cpu" in text and "torch 2.11.0" in text
     assert "CPU-sized preset" in text
-    assert "12 finished, 1 still running" in text and "1 unreadable" in text
+    assert "12 finished, 1 still running, 1 diverged" in text and "1 unreadable" in text
 
     rows = table_rows(text)
     assert [r[:4] for r in rows] == [[rnn, bn, "fused", "2"] for rnn in ("gru", "lstm") for bn in ERRORS]
@@ -77,7 +80,7 @@ def test_report(sweep, tmp_path):
     assert "Significant at 95%" in text and "gru-seqwise (-4.0 points, better)" in text
 
     data = json.loads((tmp_path / "out" / "report.json").read_text())
-    assert data["finished"] == 12 and data["running"] == 1 and len(data["skipped"]) == 1
+    assert data["finished"] == 12 and data["running"] == 1 and data["diverged"] == 1 and len(data["skipped"]) == 1
     by_label = {r["label"]: r for r in data["rows"]}
     seqwise = by_label["lstm-seqwise"]
     assert seqwise["significant"] and seqwise["dwer_hi"] < 0 < -seqwise["dwer_lo"]
@@ -91,6 +94,29 @@ def test_report(sweep, tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert matplotlib.image.imread(png).shape[0] > 100  # decodes as an image
         assert f"]({name})" in text  # embedded with a relative link
+
+
+def run_with_errors(bn: str, seed: int, wrong: int) -> dict:
+    """A fake run whose first `wrong` utterances have one word wrong."""
+    result = fake_result("gru", "none", 0) | {"bn": bn, "seed": seed}
+    result["test_utterances"] = [dict(u, hyp=("X" if i < wrong else "YES") + " NO GO STOP ONE")
+                                 for i, u in enumerate(result["test_utterances"])]
+    return result
+
+
+def test_one_failed_seed_is_not_a_significant_difference():
+    """Three seeds of none and of post, all alike but post's third, which failed to train: pooling the seeds
+    per utterance makes post 20 points worse on nearly every utterance, but two seeds in three say the
+    placements are the same, so the seed level of the bootstrap must keep 0 in the interval."""
+    none = [run_with_errors("none", seed, 10) for seed in (1, 2, 3)]
+    post = [run_with_errors("post", seed, 10) for seed in (1, 2)] + [run_with_errors("post", 3, 100)]
+    dwer, lo, hi = report.paired_bootstrap(post, none)
+    assert dwer == pytest.approx(30 / 500)  # (10 + 10 + 100) / 3 - 10 word errors, of 500 words
+    assert lo <= 0 < hi
+    # The same difference made by every seed is significant.
+    consistent = [run_with_errors("post", seed, 40) for seed in (1, 2, 3)]
+    dwer, lo, hi = report.paired_bootstrap(consistent, none)
+    assert dwer == pytest.approx(30 / 500) and 0 < lo < dwer < hi
 
 
 def test_single_seed_has_no_std_and_cli_defaults_out_to_sweep(tmp_path, capsys):

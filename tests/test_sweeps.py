@@ -12,9 +12,9 @@ from omegaconf import OmegaConf
 
 from batchrnn import report
 from batchrnn import train as train_module
+from batchrnn.sweep import job_threads
 from batchrnn.train import RESULTS, Trainer
 from conftest import ROOT
-from run import job_threads
 
 # What may differ between two runs of the same job: the clock, the memory, the machine.
 TIMING = {"epoch_time_s", "peak_mem_mb", "utt_per_s", "device", "torch_version"}

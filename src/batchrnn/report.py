@@ -1,4 +1,5 @@
-"""The study report: one table, a paired bootstrap against `none`, the plots, from a sweep's results.
+"""The study report: one table, a bootstrap over seeds and paired test utterances against `none`, the
+plots, from a sweep's results.
 
     python -m batchrnn.report SWEEP_DIR [--out DIR] [--wandb]    # report.md, report.json and *.png
 
@@ -96,32 +97,30 @@ def utterance_errors(result: dict) -> dict[str, tuple[int, int]]:
     return out
 
 
-def pooled_errors(runs: list[dict]) -> dict[str, tuple[float, int]]:
-    """Per-utterance word errors averaged over seeds, on the utterances every seed decoded."""
-    per_run = [utterance_errors(r) for r in runs]
-    per_run = [p for p in per_run if p]
-    if not per_run:
-        return {}
-    ids = set.intersection(*(set(p) for p in per_run))
-    return {u: (float(np.mean([p[u][0] for p in per_run])), per_run[0][u][1]) for u in sorted(ids)}
-
-
 def paired_bootstrap(variant_runs: list[dict], none_runs: list[dict]) -> tuple[float, float, float] | None:
-    """WER difference variant - none (fraction) and its 95% CI, resampling test utterances in pairs."""
-    v, n = pooled_errors(variant_runs), pooled_errors(none_runs)
-    ids = sorted(set(v) & set(n))
+    """WER difference variant - none (fraction, seeds pooled) and its 95% CI by a two-level bootstrap:
+    each resample draws each variant's seeds with replacement, then test utterances, the same for both."""
+    # A run without per-utterance outputs (an old or damaged results file) cannot be paired: left out.
+    v, n = ([p for p in map(utterance_errors, runs) if p] for runs in (variant_runs, none_runs))
+    if not v or not n:
+        return None
+    ids = sorted(set.intersection(*(set(p) for p in v + n)))
     if not ids:
         return None
-    ev = np.array([v[u][0] for u in ids])
-    en = np.array([n[u][0] for u in ids])
-    ref = np.array([n[u][1] for u in ids], dtype=float)
-    # The same resampled utterances for both systems: that pairing is what makes the test sensitive.
+    ev, en = (np.array([[p[u][0] for u in ids] for p in runs], dtype=float) for runs in (v, n))  # (seeds, utts)
+    ref = np.array([n[0][u][1] for u in ids], dtype=float)
     rng = np.random.default_rng(BOOTSTRAP_SEED)
+    # Seeds first: one seed that failed to train is seed-to-seed variation, which an interval over
+    # utterances alone would pass off as a real difference. With one seed per variant this is a no-op.
+    sv = rng.integers(0, len(ev), size=(BOOTSTRAP_RESAMPLES, len(ev)))
+    sn = rng.integers(0, len(en), size=(BOOTSTRAP_RESAMPLES, len(en)))
+    # The same resampled utterances for both systems: that pairing is what makes the test sensitive.
     idx = rng.integers(0, len(ids), size=(BOOTSTRAP_RESAMPLES, len(ids)))
-    refs = np.maximum(ref[idx].sum(1), 1.0)
-    diffs = (ev[idx].sum(1) - en[idx].sum(1)) / refs
+    mv = np.take_along_axis(ev[sv].mean(1), idx, axis=1).sum(1)  # (resamples,) word errors
+    mn = np.take_along_axis(en[sn].mean(1), idx, axis=1).sum(1)
+    diffs = (mv - mn) / np.maximum(ref[idx].sum(1), 1.0)
     lo, hi = np.percentile(diffs, [2.5, 97.5])
-    return float((ev.sum() - en.sum()) / max(ref.sum(), 1.0)), float(lo), float(hi)
+    return float((ev.mean(0).sum() - en.mean(0).sum()) / max(ref.sum(), 1.0)), float(lo), float(hi)
 
 
 def aggregate(finished: list[dict]) -> list[dict]:
@@ -134,8 +133,9 @@ def aggregate(finished: list[dict]) -> list[dict]:
     rows = []
     for key in sorted(groups, key=sort_key):
         runs = groups[key]
+        runs.sort(key=lambda r: r.get("seed") or 0)  # every results.json has one; 0 is the default
         row = dict(zip(("rnn", "bn", "impl", "num_layers"), key), label=label(key, depth), n=len(runs),
-                   seeds=sorted(r.get("seed") for r in runs if r.get("seed") is not None))
+                   seeds=[r.get("seed") for r in runs], test_wer_by_seed=[r.get("test_wer") for r in runs])
         for name in ("test_wer", "test_cer", "best_val_wer", "epoch_time_s", "peak_mem_mb"):
             row[name], row[f"{name}_std"] = mean_std([r.get(name) for r in runs])
         row["params"] = mean_std([r.get("params") for r in runs])[0]  # the same for every seed
@@ -375,8 +375,10 @@ n seeds (no ± for a single seed). Test WER is that of the epoch with the best v
 test WER of each rnn is in bold. Time and memory ratios divide by the `none` row of the same rnn: they
 were measured in this sweep on one machine, so they rank the variants' costs but do not transfer to other
 hardware (peak memory is CUDA max allocated on a GPU, process peak RSS on the CPU). ΔWER is variant minus
-`none` in WER points, with a 95% paired bootstrap interval over test utterances ({BOOTSTRAP_RESAMPLES}
-resamples, seeds pooled by averaging each utterance's word errors); * marks an interval that excludes 0.
+`none` in WER points (each utterance's word errors averaged over seeds), with a 95% interval from a
+two-level bootstrap ({BOOTSTRAP_RESAMPLES} resamples): each draws both variants' seeds with replacement,
+then the test utterances, the same ones for both; so the interval holds seed-to-seed variation as well as
+the test set's (with one seed, only the latter). * marks an interval that excludes 0.
 When the sweep varies model.num_layers, every comparison (bold, ratios, ΔWER) is within one depth.
 """
 
@@ -384,12 +386,15 @@ When the sweep varies model.num_layers, every comparison (bold, ratios, ΔWER) i
 def header(finished: list[dict], running: list[dict], skipped: list[Path]) -> list[str]:
     everything = finished + running
     devices = distinct(everything, "device")
+    diverged = sum(r.get("status") == "diverged" for r in running)
     lines = [
         f"# Study report: {distinct(everything, 'study')}",
         "",
         f"- Preset: {distinct(everything, 'preset')}",
         f"- Device: {devices}; torch {distinct(everything, 'torch_version')}",
-        f"- Runs: {len(finished)} finished, {len(running)} still running (in the per-epoch plot only)"
+        f"- Runs: {len(finished)} finished, {len(running) - diverged} still running"
+        + (f", {diverged} diverged (the `error` in its results.json says where)" if diverged else "")
+        + " (unfinished runs: in the per-epoch plot only)"
         + (f", {len(skipped)} unreadable and skipped" if skipped else ""),
     ]
     if "cpu" in devices.split(", "):
@@ -439,7 +444,8 @@ def write_report(sweep_dir: Path, out_dir: Path | None = None, wandb: LoggerMode
     everything = finished + running
     summary = {"sweep_dir": str(sweep_dir), "study": distinct(everything, "study"),
                "preset": distinct(everything, "preset"), "devices": distinct(everything, "device"),
-               "finished": len(finished), "running": len(running), "skipped": [str(p) for p in skipped],
+               "finished": len(finished), "diverged": sum(r.get("status") == "diverged" for r in running),
+               "running": sum(r.get("status") != "diverged" for r in running), "skipped": [str(p) for p in skipped],
                "significance": significance(rows) if rows else None, "plots": plots, "rows": rows}
     (out_dir / "report.json").write_text(json.dumps(json_ready(summary), indent=2) + "\n")
     if wandb is not None:

@@ -15,6 +15,9 @@ log = logging.getLogger(__name__)
 
 # Online init waits this long for the server before falling back to offline (wandb's default is 90 s).
 INIT_TIMEOUT_S = 30
+# Online finish waits this long for the upload, then gives up, the data staying on disk for `wandb sync`.
+# wandb's default waits forever: a server that goes away mid-run would hold a sweep at its first finish.
+FINISH_TIMEOUT_S = 120
 
 
 class Tracker:
@@ -75,7 +78,11 @@ class WandbTracker(Tracker):
     def finish(self) -> None:
         import wandb
 
-        self._safely("finish", self.run.finish)
+        try:
+            self.run.finish()
+        except Exception as e:  # noqa: BLE001 - finish_timeout's TimeoutError, a lost service, ...
+            log.warning("W&B could not finish the run (%s); what it logged is on disk, upload it later with "
+                        "`wandb sync %s`", e, getattr(self.run.settings, "sync_dir", "<run folder>/wandb/run-*"))
         # Stop wandb's service process too, so tests and sweeps leave nothing running and the next
         # start_tracking in this process reads the environment (WANDB_BASE_URL, keys) afresh.
         self._safely("teardown", wandb.teardown)
@@ -118,6 +125,7 @@ def start_tracking(cfg: LoggerConfig, run_dir: Path, name: str, group: str, conf
         # x_disable_stats: the harness measures time and memory itself, and the system-metrics sampler
         # would compete for the cores those measurements run on. console="off" leaves stdout alone.
         settings = wandb.Settings(silent=True, console="off", init_timeout=INIT_TIMEOUT_S,
+                                  finish_timeout=FINISH_TIMEOUT_S, finish_timeout_raises=True,
                                   x_disable_stats=True)
         return WandbTracker(wandb.init(mode=mode.value, settings=settings, **kwargs), mode.value)
 
@@ -185,13 +193,13 @@ def _public(d: dict) -> dict:
     return {k: v for k, v in d.items() if k == "_step" or not k.startswith("_")}
 
 
-def read_offline_run(run_dir: Path) -> dict:
+def read_offline_run(run_dir: Path, prefix: str = "offline-run") -> dict:
     """{"history": [one dict per logged step], "summary": {...}, "config": {...}, "run": {name, group,
     job_type, tags}} of the offline W&B run under run_dir; a resumed run's several offline folders are
-    read in order and merged."""
+    read in order and merged. prefix="run" reads an online run's local copy instead."""
     # offline-run-YYYYMMDD_HHMMSS-<id>[-k]: wandb adds -k when a run restarts within the same second
-    stamp = len("offline-run-YYYYMMDD_HHMMSS")
-    folders = sorted(Path(run_dir).glob("wandb/offline-run-*"),
+    stamp = len(f"{prefix}-YYYYMMDD_HHMMSS")
+    folders = sorted(Path(run_dir).glob(f"wandb/{prefix}-*"),
                      key=lambda p: (p.name[:stamp], len(p.name), p.name))
     files = [f for folder in folders for f in sorted(folder.glob("*.wandb"))]
     if not files:

@@ -253,7 +253,9 @@ class Trainer:
                  len(self.sets["test"]), tracker.mode)
         try:
             self.train_epochs(tracker)
-        except TrainingDiverged:
+        except TrainingDiverged as e:
+            # The epochs are those of the last complete one; the status and error say why it stopped.
+            write_json(results_path, self.summary("diverged") | {"error": str(e)})
             tracker.finish()  # a sweep goes on with its next job, which starts its own W&B run
             raise
         best_state = self.load(BEST, weights_only=True)

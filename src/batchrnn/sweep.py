@@ -1,0 +1,51 @@
+"""Sweeps: each job's share of the cores, and a sweep's exit status whichever launcher ran its jobs.
+
+A job that fails on its own (diverged, damaged run folder) lets the sweep go on; it leaves its exit status
+in the sweep folder, because joblib and submitit run jobs in other processes, and `SweepStatus` (a Hydra
+callback, conf/config.yaml) turns those into the sweep's exit status once every job is done.
+"""
+import shutil
+import sys
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+FAILED_DIR = ".failed_jobs"  # in the sweep folder: one file per failed job, named by job number, holding its status
+
+
+def job_threads(launcher: DictConfig, cores: int) -> int:
+    """torch threads for one job when train.threads=0: the cores shared among the jobs that run at once.
+
+    joblib runs n_jobs at once (-1: one per core), so each gets cores // n_jobs; submitit gets the
+    cpus_per_task it asked for; the basic launcher runs one job at a time and keeps torch's default (0).
+    """
+    if str(launcher.get("_target_", "")).endswith("JoblibLauncher"):
+        n = launcher.get("n_jobs") or 1
+        at_once = cores + 1 + n if n < 0 else n  # joblib's convention: -2 is every core but one
+        return max(1, cores // max(1, at_once))
+    return launcher.get("cpus_per_task") or 0
+
+
+def record_failed_job(status: int) -> None:
+    """Called inside a sweep job that stopped early, in whatever process the launcher gave it."""
+    hydra = HydraConfig.get()
+    failed = Path(hydra.sweep.dir) / FAILED_DIR
+    failed.mkdir(parents=True, exist_ok=True)
+    (failed / str(hydra.job.num)).write_text(f"{status}\n")
+
+
+class SweepStatus(Callback):
+    """Exit status of a sweep: that of its worst failed job (3 diverged, 2 damaged folder), else 0."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        shutil.rmtree(Path(config.hydra.sweep.dir) / FAILED_DIR, ignore_errors=True)  # a previous sweep's
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        failed = Path(config.hydra.sweep.dir) / FAILED_DIR
+        statuses = [int(f.read_text()) for f in failed.iterdir()] if failed.is_dir() else []
+        if statuses:
+            print(f"error: {len(statuses)} runs of this sweep stopped early; their 'error:' lines above say why",
+                  file=sys.stderr)
+            sys.exit(max(statuses))

@@ -25,6 +25,8 @@ from batchrnn.sweep import job_threads, record_failed_job
 
 register_configs()
 log = logging.getLogger("batchrnn")
+
+
 def stop_on_sigterm(signum, frame):
     # Raised between two bytecodes of the main thread: a half-written file's temporary copy is removed
     # on the way out, and the last complete epoch's checkpoint is there for the next start.

@@ -383,10 +383,9 @@ When the sweep varies model.num_layers, every comparison (bold, ratios, ΔWER) i
 """
 
 
-def header(finished: list[dict], running: list[dict], skipped: list[Path]) -> list[str]:
+def header(finished: list[dict], running: list[dict], skipped: list[Path], diverged: int) -> list[str]:
     everything = finished + running
     devices = distinct(everything, "device")
-    diverged = sum(r.get("status") == "diverged" for r in running)
     lines = [
         f"# Study report: {distinct(everything, 'study')}",
         "",
@@ -419,6 +418,7 @@ def write_report(sweep_dir: Path, out_dir: Path | None = None, wandb: LoggerMode
 
     matplotlib.use("Agg")  # files only: no display on servers and in CI
     rows = aggregate(finished)
+    diverged = sum(r.get("status") == "diverged" for r in running)  # stopped by TrainingDiverged
 
     plot_val_wer(finished + running, out_dir / "val_wer.png")
     plots = ["val_wer.png"]
@@ -431,7 +431,7 @@ def write_report(sweep_dir: Path, out_dir: Path | None = None, wandb: LoggerMode
         plot_wer_vs_depth(rows, out_dir / DEPTH_PLOT)
         plots.append(DEPTH_PLOT)
 
-    lines = header(finished, running, skipped) + ["", "## How to read", "", HOW_TO_READ, "## Results", ""]
+    lines = header(finished, running, skipped, diverged) + ["", "## How to read", "", HOW_TO_READ, "## Results", ""]
     lines += table(rows) + ["", significance(rows)] if rows else ["No finished runs yet."]
     if depth:
         lines += ["", "## BN's effect by depth", "", "ΔWER vs `none` at the same depth, in WER points with its "
@@ -444,8 +444,7 @@ def write_report(sweep_dir: Path, out_dir: Path | None = None, wandb: LoggerMode
     everything = finished + running
     summary = {"sweep_dir": str(sweep_dir), "study": distinct(everything, "study"),
                "preset": distinct(everything, "preset"), "devices": distinct(everything, "device"),
-               "finished": len(finished), "diverged": sum(r.get("status") == "diverged" for r in running),
-               "running": sum(r.get("status") != "diverged" for r in running), "skipped": [str(p) for p in skipped],
+               "finished": len(finished), "diverged": diverged, "running": len(running) - diverged, "skipped": [str(p) for p in skipped],
                "significance": significance(rows) if rows else None, "plots": plots, "rows": rows}
     (out_dir / "report.json").write_text(json.dumps(json_ready(summary), indent=2) + "\n")
     if wandb is not None:

@@ -1,7 +1,10 @@
-"""Entry point: compose the Hydra config, validate it, hand it to the trainer.
+"""Entry point: compose the Hydra config, validate it, name the run's folder, hand it to the trainer.
 
     python src/run.py experiment=smoke
     python src/run.py -m model.rnn=gru,lstm model.bn=seqwise,post,none
+
+Without `experiment=`, the preset of the machine at hand: an4_gpu with CUDA, else an4_cpu. Each run
+writes to runs/<study>/<its name from its resolved settings>/ (batchrnn.protocol.run_name).
 
 A problem the user can fix ends in one `error: ...` line and exit status 2 (3: training diverged); a
 sweep goes on past a run that diverged or has a damaged folder and exits with that status at the end,
@@ -20,7 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from batchrnn.config import ConfigError, register_configs, validate
+from batchrnn.config import ConfigError, Stage, register_configs, to_container, validate, with_device_preset
 from batchrnn.sweep import job_threads, record_failed_job
 
 register_configs()
@@ -48,26 +51,38 @@ def main(cfg: DictConfig) -> float:
     if cfg.train.threads == 0:  # the job's share of the cores, recorded in results.json
         cfg.train.threads = job_threads(HydraConfig.get().launcher, len(os.sched_getaffinity(0)))
     from batchrnn.data import DataError  # after validation: a bad value fails before torch loads
+    from batchrnn.protocol import ProtocolError, run_name, tuned_lr
+    from batchrnn.rundir import RunFolder
     from batchrnn.train import RunError, TrainingDiverged, train
 
+    hydra_cfg = HydraConfig.get()
+    study_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        hydra_cfg = HydraConfig.get()
-        results = train(cfg, Path(hydra_cfg.runtime.output_dir), hydra_cfg.runtime.choices.get("experiment"))
-    except (ConfigError, DataError) as e:  # every later job of a sweep would meet it too: stop here
+        if cfg.protocol.stage is Stage.final:  # the rate the tuning stage chose for this variant
+            cfg.train.lr = tuned_lr(study_dir, to_container(cfg))
+        folder = RunFolder(study_dir / run_name(to_container(cfg)))
+    except ProtocolError as e:
         log.error("error: %s", e)
         sys.exit(2)
-    except (RunError, TrainingDiverged) as e:  # this run's own trouble: a sweep goes on with the next job
-        log.error("error: %s", e)
-        code = 3 if isinstance(e, TrainingDiverged) else 2
-        if HydraConfig.get().mode is not RunMode.MULTIRUN:
-            sys.exit(code)
-        record_failed_job(code)
-        return math.nan
-    except KeyboardInterrupt:
-        log.warning("interrupted; run the same command again to resume from the last complete epoch")
-        sys.exit(130)
+    with folder.logging():
+        try:
+            results = train(cfg, folder.path, hydra_cfg.runtime.choices.get("experiment"))
+        except (ConfigError, DataError) as e:  # every later job of a sweep would meet it too: stop here
+            log.error("error: %s", e)
+            sys.exit(2)
+        except (RunError, TrainingDiverged) as e:  # this run's own trouble: a sweep goes on with the next job
+            log.error("error: %s: %s", folder.path, e)
+            code = 3 if isinstance(e, TrainingDiverged) else 2
+            if hydra_cfg.mode is not RunMode.MULTIRUN:
+                sys.exit(code)
+            record_failed_job(code)
+            return math.nan
+        except KeyboardInterrupt:
+            log.warning("interrupted; run the same command again to resume from the last complete epoch")
+            sys.exit(130)
     return results["best_val_wer"]
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = with_device_preset(sys.argv[1:])
     main()

@@ -1,13 +1,13 @@
-"""Typed configuration: the schema lives here, values live in conf/*.yaml.
+"""Typed configuration: the schema and every default live here; conf/*.yaml says only what differs.
 
 Each dataclass is registered in Hydra's ConfigStore so YAML files extend it and a misspelt key or a
-wrongly typed value fails at composition. `validate` adds the checks a type cannot express.
+wrongly typed value fails at composition. `validate` adds the checks a type cannot express, each in one place.
 """
 from dataclasses import dataclass, field
 from enum import Enum
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 
 class RNNType(str, Enum):
@@ -22,6 +22,17 @@ class BNMode(str, Enum):
     input = "input"  # sequence-wise BN on the layer's input, then a fused RNN (deepspeech.pytorch)
     skip = "skip"  # cuDNN skip-input: one BN(W x) of size H added to every gate
     seqwise = "seqwise"  # exact DS2: BN(W x) of size gates x H inside the recurrence
+
+
+class CorpusName(str, Enum):
+    an4 = "an4"  # CMU AN4, fetched (or taken from data.archive) and prepared once
+    synthetic = "synthetic"  # a tiny AN4-shaped corpus generated on the fly (smoke tests)
+
+
+class Stage(str, Enum):
+    single = "single"  # one run at train.lr as given
+    tune = "tune"  # the learning-rate search: train.lr as given, swept over protocol.lrs by the study driver
+    final = "final"  # train.lr replaced by the rate the tuning stage chose for this variant (batchrnn.protocol)
 
 
 class Impl(str, Enum):
@@ -43,18 +54,19 @@ class LoggerMode(str, Enum):
 
 
 AN4_URL = "http://www.speech.cs.cmu.edu/databases/an4/an4_sphere.tar.gz"
+AN4_ARCHIVE_ENV = "AN4_ARCHIVE"  # a local path or file:// URL that replaces the download (CI, benchmarks)
 
 
 @dataclass
 class DataConfig:
     # Where the corpus comes from: a URL (http, https, file://) or a local path to an4_sphere.tar.gz.
-    archive: str = AN4_URL
+    # $AN4_ARCHIVE when set, so CI and machines without internet use their local copy.
+    archive: str = "${oc.env:" + AN4_ARCHIVE_ENV + "," + AN4_URL + "}"
     # Tried in order when `archive` is a URL that fails.
     mirrors: list[str] = field(default_factory=list)
     # Folder for the extracted corpus, the split lists and the feature cache; shared by all runs.
     root: str = "data"
-    # "an4" is the real corpus; "synthetic" generates a tiny AN4-shaped corpus on the fly (smoke tests).
-    corpus: str = "an4"
+    corpus: CorpusName = CorpusName.an4
     # Share of training speakers held out for validation (model selection never sees test).
     val_fraction: float = 0.1
     # Seeds the speaker split; the split is written to disk so every variant of a study shares it.
@@ -96,7 +108,18 @@ class ModelConfig:
 
 
 @dataclass
+class SpecAugmentConfig:
+    # SpecAugment (Park et al. 2019) on training batches only, with torchaudio's masking transforms;
+    # the same for every variant, so it regularises without favouring one. 0 masks: off.
+    freq_masks: int = 0
+    freq_width: int = 8  # each frequency mask covers up to this many feature bins
+    time_masks: int = 0
+    time_width: int = 20  # each time mask covers up to this many 10 ms frames
+
+
+@dataclass
 class TrainConfig:
+    # The cap: with train.patience > 0 a run normally stops earlier, when validation stops improving.
     epochs: int = 30
     batch_size: int = 16
     # AdamW with deepspeech.pytorch's AN4 settings by default.
@@ -110,8 +133,12 @@ class TrainConfig:
     # Epoch 1 in order of increasing length (DS2's SortaGrad), later epochs shuffled length buckets.
     sortagrad: bool = True
     device: Device = Device.auto
-    # Mixed precision (bf16 autocast) on CUDA; ignored on the CPU.
+    # Mixed precision (bf16 autocast) on CUDA; on the CPU see cpu_bf16.
     amp: bool = True
+    # bf16 autocast on the CPU too, only where the CPU computes bf16 natively (AVX512-BF16 or AMX);
+    # refused elsewhere, where emulated bf16 would be slower and change the numbers for nothing.
+    cpu_bf16: bool = False
+    spec_augment: SpecAugmentConfig = field(default_factory=SpecAugmentConfig)
     # torch intra-op threads. 0: torch's default, or under a parallel launcher (conf/hydra/launcher/) the
     # job's share of the cores, cores // n_jobs or cpus_per_task (src/run.py).
     threads: int = 0
@@ -129,7 +156,21 @@ class LoggerConfig:
     mode: LoggerMode = LoggerMode.auto
     project: str = "batchrnn"
     entity: str | None = None
-    tags: list[str] = field(default_factory=list)
+    tags: list[str] = field(default_factory=lambda: ["an4", "ds2"])
+
+
+@dataclass
+class ProtocolConfig:
+    """The fair-comparison protocol of a study (batchrnn.study runs it, batchrnn.protocol applies it).
+
+    Stage tune trains every variant at each rate of `lrs` with the `tune_seeds`; each variant keeps the
+    rate with the lowest mean best validation WER (never test). Stage final trains `seeds` at that rate.
+    None of these settings changes what one run computes, so they stay out of a run's identity.
+    """
+    lrs: list[float] = field(default_factory=list)  # empty: no tuning, every run at train.lr
+    tune_seeds: list[int] = field(default_factory=lambda: [1])
+    seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
+    stage: Stage = Stage.single
 
 
 @dataclass
@@ -138,6 +179,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
     # Names the study: the W&B group and the folder under runs/.
     study: str = "default"
     seed: int = 0
@@ -154,7 +196,9 @@ class ConfigError(ValueError):
 
 def validate(cfg: Config | DictConfig) -> None:
     """Checks the schema's types cannot express; raises ConfigError before any work starts."""
-    m, t, d = cfg.model, cfg.train, cfg.data
+    if isinstance(cfg, DictConfig):
+        check_known_keys(cfg, OmegaConf.structured(Config))
+    m, t, d, p = cfg.model, cfg.train, cfg.data, cfg.protocol
     positive = {
         "model.hidden_size": m.hidden_size,
         "model.num_layers": m.num_layers,
@@ -169,38 +213,89 @@ def validate(cfg: Config | DictConfig) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key}={value}: must be positive")
+    sa = t.spec_augment
     for key, value in {"train.weight_decay": t.weight_decay, "train.warmup_steps": t.warmup_steps,
-                       "train.patience": t.patience, "train.threads": t.threads}.items():
+                       "train.patience": t.patience, "train.threads": t.threads, "data.n_mels": d.n_mels,
+                       "train.spec_augment.freq_masks": sa.freq_masks, "train.spec_augment.freq_width": sa.freq_width,
+                       "train.spec_augment.time_masks": sa.time_masks,
+                       "train.spec_augment.time_width": sa.time_width}.items():
         if value < 0:
             raise ConfigError(f"{key}={value}: must be 0 or more")
     if not 0 < t.lr_gamma <= 1:
         raise ConfigError(f"train.lr_gamma={t.lr_gamma}: must be in (0, 1]")
     if not 0 < d.val_fraction < 1:
         raise ConfigError(f"data.val_fraction={d.val_fraction}: must be between 0 and 1")
-    if d.corpus not in ("an4", "synthetic"):
-        raise ConfigError(f"data.corpus={d.corpus}: allowed values are an4, synthetic")
-    if d.n_mels < 0:
-        raise ConfigError(f"data.n_mels={d.n_mels}: must be 0 (linear spectrogram) or positive")
+    if any(lr <= 0 for lr in p.lrs):
+        raise ConfigError(f"protocol.lrs={list(p.lrs)}: every learning rate must be positive")
+    if not p.seeds or not p.tune_seeds:
+        raise ConfigError("protocol.seeds and protocol.tune_seeds: need at least one seed each")
     if not m.conv:
         raise ConfigError("model.conv: needs at least one conv layer")
     for i, layer in enumerate(m.conv):
         for name in ("channels", "kernel_freq", "kernel_time", "stride_freq", "stride_time"):
             if getattr(layer, name) <= 0:
                 raise ConfigError(f"model.conv[{i}].{name}={getattr(layer, name)}: must be positive")
-    if m.share_input_weights and BNMode(m.bn) not in (BNMode.seqwise, BNMode.skip):
+    check_variant(m)
+
+
+def check_variant(m: ModelConfig | DictConfig) -> None:
+    """The combinations of model settings that have no layer; the one place these rules live."""
+    bn = BNMode(m.bn)
+    if m.share_input_weights and bn not in (BNMode.seqwise, BNMode.skip):
         raise ConfigError(
-            f"model.share_input_weights=true with model.bn={BNMode(m.bn).value}: sharing W between "
+            f"model.share_input_weights=true with model.bn={bn.value}: sharing W between "
             "directions needs a separate input projection, allowed with model.bn=seqwise or skip"
         )
     if m.share_input_weights and not m.bidirectional:
         raise ConfigError("model.share_input_weights=true needs model.bidirectional=true")
-    if Impl(m.impl) is Impl.cells and BNMode(m.bn) is not BNMode.seqwise:
+    if Impl(m.impl) is Impl.cells and bn is not BNMode.seqwise:
         raise ConfigError(
-            f"model.impl=cells with model.bn={BNMode(m.bn).value}: the cell reference exists for "
+            f"model.impl=cells with model.bn={bn.value}: the cell reference exists for "
             "model.bn=seqwise only; use model.impl=fused"
         )
+
+
+def check_known_keys(node: DictConfig, schema: DictConfig, path: str = "") -> None:
+    """Every key is one the schema knows. Hydra's `+key=value` adds keys past the schema's struct flag,
+    so `+model.bnn=seqwise` would otherwise train bn=none with a stray setting beside it."""
+    for key in node:
+        where = f"{path}{key}"
+        if key not in schema:
+            known = ", ".join(str(k) for k in schema)
+            raise ConfigError(f"{where}: no such setting; the settings {'of ' + path[:-1] if path else 'at the top'}"
+                              f" are: {known}")
+        child, ref = node._get_node(key), schema._get_node(key)
+        if isinstance(child, DictConfig) and isinstance(ref, DictConfig) and not ref._is_missing():
+            check_known_keys(child, ref, f"{where}.")
+        elif isinstance(child, ListConfig) and isinstance(ref, ListConfig) and len(ref):
+            for i, item in enumerate(child):
+                if isinstance(item, DictConfig) and isinstance(ref[0], DictConfig):
+                    check_known_keys(item, ref[0], f"{where}[{i}].")
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX-BF16 in /proc/cpuinfo (Linux x86); False wherever that cannot be read."""
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def to_container(cfg: DictConfig) -> dict:
     """Plain, JSON-ready dict with enums as their names."""
     return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+
+
+def with_device_preset(argv: list[str]) -> list[str]:
+    """No experiment= on the command line: the preset that learns AN4 on the machine at hand."""
+    if any(a.split("=")[0].lstrip("+~") == "experiment" for a in argv) or {"-h", "--help", "--hydra-help"} & set(argv):
+        return argv
+    import sys
+
+    import torch
+
+    preset = "an4_gpu" if torch.cuda.is_available() else "an4_cpu"
+    print(f"no experiment= given, using experiment={preset} ({'CUDA found' if preset == 'an4_gpu' else 'no CUDA'});"
+          " experiment=null for the bare schema defaults (deepspeech.pytorch's AN4 settings)", file=sys.stderr)
+    return argv + [f"experiment={preset}"]

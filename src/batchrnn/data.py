@@ -27,7 +27,7 @@ import soundfile as sf
 import torch
 from tqdm import tqdm
 
-from batchrnn.config import DataConfig
+from batchrnn.config import CorpusName, DataConfig
 from batchrnn.storage import write_json
 from batchrnn.text import TranscriptError, normalize
 
@@ -348,10 +348,9 @@ def split_corpus(
 
 def prepare_corpus(cfg: DataConfig) -> Corpus:
     """Fetch, extract, verify (once), parse and split; later calls only parse and reuse the split."""
-    if cfg.corpus not in ("an4", "synthetic"):
-        raise DataError(f"data.corpus={cfg.corpus}: allowed values are an4, synthetic")
+    name = CorpusName(cfg.corpus).value  # the schema's enum: Hydra refused any other value
     # The synthetic corpus lives in its own folder so the two never mix, features included.
-    root = Path(cfg.root) / "synthetic" if cfg.corpus == "synthetic" else Path(cfg.root)
+    root = Path(cfg.root) / name if name == "synthetic" else Path(cfg.root)
     corpus_dir, marker = root / "an4", root / "an4" / MARKER
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -360,7 +359,7 @@ def prepare_corpus(cfg: DataConfig) -> Corpus:
                         "folder") from e
     fresh = not marker.is_file()
     if fresh:
-        if cfg.corpus == "synthetic":
+        if name == "synthetic":
             archive = make_synthetic_archive(root / "an4_synthetic.tar.gz")
         else:
             archive = fetch_archive(cfg.archive, list(cfg.mirrors), root)
@@ -371,12 +370,12 @@ def prepare_corpus(cfg: DataConfig) -> Corpus:
         tables[split], skipped[split], normalized[split] = read_split(corpus_dir, split)
     if fresh:
         known = KNOWN_SHA256.get(digest)
-        checksum = f"known: {known}" if known else verify_content(cfg.corpus, tables)
+        checksum = f"known: {known}" if known else verify_content(name, tables)
         write_json(marker, {"archive": str(archive), "sha256": digest, "checksum": checksum})
     status = json.loads(marker.read_text())
     splits = split_corpus(corpus_dir, tables["train"], tables["test"], cfg.val_fraction, cfg.split_seed)
     summary = {
-        "corpus": cfg.corpus,
+        "corpus": name,
         "root": str(root),
         "archive": status["archive"],
         "sha256": status["sha256"],
@@ -389,7 +388,7 @@ def prepare_corpus(cfg: DataConfig) -> Corpus:
         "normalized": {s: len(ids) for s, ids in normalized.items()},
         "normalized_ids": normalized,
     }
-    return Corpus(name=cfg.corpus, root=root, splits=splits, summary=summary)
+    return Corpus(name=name, root=root, splits=splits, summary=summary)
 
 
 # -----------------------------------------------------------------------------

@@ -28,6 +28,12 @@ class Tracker:
     def log(self, metrics: dict, step: int) -> None:
         pass
 
+    def log_epoch(self, row: dict) -> None:
+        pass
+
+    def log_step(self, step: int, metrics: dict) -> None:
+        pass
+
     def summary(self, metrics: dict) -> None:
         pass
 
@@ -60,6 +66,9 @@ class WandbTracker(Tracker):
     def log(self, metrics: dict, step: int) -> None:
         self.step = step
         self._safely("log", self.run.log, metrics, step=step)
+
+    def log_epoch(self, row: dict) -> None:
+        self.log(row, step=row["epoch"])
 
     def summary(self, metrics: dict) -> None:
         self._safely("summary", self.run.summary.update, metrics)

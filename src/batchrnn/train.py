@@ -1,97 +1,70 @@
-"""The trainer: one variant on one corpus with CTC; per-epoch metrics, checkpoints, results.json.
+"""The trainer: one variant on one corpus with CTC, epoch by epoch until validation stops improving.
 
-A run lives in one folder. Restarted with the same folder it resumes from its last complete epoch;
-a finished run is left alone unless train.rerun=true.
+`train(cfg, folder)` runs, resumes from the last complete epoch, or returns a finished run's results.
+The run folder's files are batchrnn.rundir's business; this module is the loop and what it measures.
 """
-import json
 import logging
 import math
 import random
-import re
-import resource
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torchaudio
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from batchrnn.config import ConfigError, Device, Impl, to_container, validate
-from batchrnn.data import corpus_changes, one_line, prepare_corpus
+from batchrnn.config import ConfigError, Impl, to_container, validate
+from batchrnn.data import corpus_changes, prepare_corpus
+from batchrnn.device import peak_memory_mb, pick_device, reset_peak_memory, synchronize, uses_bf16
 from batchrnn.features import FeatureSet, collate, load_features, make_batches
 from batchrnn.metrics import error_rates
-from batchrnn.storage import atomic_write, write_json
 from batchrnn.model import DeepSpeech2
+from batchrnn.rundir import CHECKPOINT, RESULTS, RunError, RunFolder  # noqa: F401 - re-exported for callers
 from batchrnn.text import LABELS, greedy_decode
 from batchrnn.tracking import start_tracking
 
 log = logging.getLogger(__name__)
-CHECKPOINT, BEST, RESULTS = "checkpoint.pt", "best.pt", "results.json"
-
-
-class RunError(RuntimeError):
-    """A damaged run folder (unreadable checkpoint); the message names the file and the fix."""
 
 
 class TrainingDiverged(RuntimeError):
     """Too many non-finite steps in a row; the checkpoint and results.json keep the epochs before."""
 
 
-def pick_device(choice: Device) -> torch.device:
-    if Device(choice) is Device.cuda and not torch.cuda.is_available():
-        raise ConfigError("train.device=cuda but CUDA is not available; use train.device=auto or cpu")
-    if Device(choice) is Device.cpu or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda")
+@dataclass
+class Progress:
+    """Where a run stands after its last complete epoch: all a checkpoint holds besides the weights."""
+    epoch: int = 0
+    step: int = 0  # optimizer steps taken
+    history: list[dict] = field(default_factory=list)  # one row per epoch, the per-epoch metrics
+    best_val_wer: float = math.inf
+    best_epoch: int = 0
+    skipped_steps: int = 0
+    skipped_in_a_row: int = 0  # across epochs: a run that diverges at an epoch's end is still diverged
 
 
-def reset_peak_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:  # Linux: restart the peak resident set count (VmHWM), so each epoch and each job of a sweep is its own
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass  # elsewhere the peak stays process-wide
+class Run:
+    """What one training run is made of: its data, model, optimizer, loss and augmentation."""
 
-
-def peak_memory_mb(device: torch.device) -> float:
-    """CUDA: max allocated by tensors since the last reset. CPU: peak resident set since the last reset."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    try:
-        return int(re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) / 1024
-    except (OSError, AttributeError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
-def ctc_feasible(model: DeepSpeech2, fs: FeatureSet) -> list[bool]:
-    """CTC needs at least one output frame per label, plus a blank between repeated letters."""
-    frames = model.front_end.output_lengths(torch.tensor(fs.lengths)).tolist()
-    need = [len(t) + sum(a == b for a, b in zip(t, t[1:])) for t in fs.texts]
-    return [n <= f for n, f in zip(need, frames)]
-
-
-class Trainer:
-    def __init__(self, cfg: DictConfig, out_dir: Path, preset: str | None = None):
-        validate(cfg)
-        self.cfg, self.out_dir, self.preset = cfg, Path(out_dir), preset
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+    def __init__(self, cfg: DictConfig):
         t = cfg.train
         if t.threads > 0:
             torch.set_num_threads(t.threads)
-        self.device = pick_device(t.device)
-        self.amp = t.amp and self.device.type == "cuda"
-        seed_everything(cfg.seed)
-
+        self.cfg, self.device = cfg, pick_device(t.device)
+        self.bf16 = uses_bf16(t, self.device)
+        random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
         corpus = prepare_corpus(cfg.data)
         self.corpus_summary = corpus.summary
         for line in corpus_changes(corpus.summary):  # the same counts are in results.json under "corpus"
             log.warning("%s", line)
         self.sets = {s: load_features(corpus, s, cfg.data) for s in ("train", "val", "test")}
-        num_features = self.sets["train"].num_features
-        self.model = DeepSpeech2(cfg.model, num_features, len(LABELS)).to(self.device)
+        self.model = DeepSpeech2(cfg.model, self.sets["train"].num_features, len(LABELS)).to(self.device)
         self.params = sum(p.numel() for p in self.model.parameters())
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+        self.ctc = torch.nn.CTCLoss(blank=0, zero_infinity=True)
+        self.augment = spec_augment(t.spec_augment)
 
         feasible = ctc_feasible(self.model, self.sets["train"])
         self.train_indices = [i for i, ok in enumerate(feasible) if ok]
@@ -103,237 +76,194 @@ class Trainer:
             log.warning("%d training utterances have more labels than the model's output frames allow "
                         "for CTC and are left out of training: %s", len(self.ctc_skipped), self.ctc_skipped[:10])
 
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-        self.ctc = torch.nn.CTCLoss(blank=0, zero_infinity=True)
-        self.epoch, self.step, self.history = 0, 0, []
-        self.best = {"val_wer": math.inf, "epoch": 0}
-        self.skipped_steps, self.skipped_in_a_row = 0, 0
-
-    # --- persistence -------------------------------------------------------------------------
-    def save_checkpoint(self) -> None:
-        state = {
-            "model": self.model.state_dict(), "opt": self.opt.state_dict(), "epoch": self.epoch,
-            "step": self.step, "history": self.history, "best": self.best, "skipped_steps": self.skipped_steps,
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-        }
-        atomic_write(self.out_dir / CHECKPOINT, lambda tmp: torch.save(state, tmp))
-
-    def load(self, name: str, weights_only: bool):
-        path = self.out_dir / name
-        try:
-            return torch.load(path, map_location=self.device, weights_only=weights_only)
-        except Exception as e:  # only complete files are renamed into place, so this is real damage
-            raise RunError(f"{path}: unreadable ({one_line(e)}); delete {CHECKPOINT} and {BEST} in that folder "
-                           "to train this run afresh") from e
-
-    def resume(self) -> bool:
-        if not (self.out_dir / CHECKPOINT).exists():
-            return False
-        state = self.load(CHECKPOINT, weights_only=False)
-        try:
-            self.model.load_state_dict(state["model"])
-            self.opt.load_state_dict(state["opt"])
-        except (KeyError, RuntimeError, ValueError) as e:  # another model's checkpoint in this folder
-            raise RunError(f"{self.out_dir / CHECKPOINT}: does not fit this model ({type(e).__name__}); use "
-                           "another output folder, or train.rerun=true to replace this run") from e
-        self.epoch, self.step, self.history = state["epoch"], state["step"], state["history"]
-        self.best, self.skipped_steps = state["best"], state["skipped_steps"]
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        log.info("resumed %s at epoch %d", self.out_dir, self.epoch)
-        return True
-
-    # --- training ------------------------------------------------------------------------------
     def lr_at(self, epoch: int, step: int) -> float:
         t = self.cfg.train
         warmup = min(1.0, (step + 1) / t.warmup_steps) if t.warmup_steps > 0 else 1.0
         return t.lr * warmup * t.lr_gamma ** (epoch - 1)
 
-    def batch_to_device(self, batch):
-        return [b.to(self.device, non_blocking=True) for b in batch]
-
-    def loss_of(self, x, x_lens, y, y_lens):
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
-            logits, out_lens = self.model(x, x_lens)
-        log_probs = logits.float().log_softmax(-1)
-        return self.ctc(log_probs, y, out_lens, y_lens), log_probs, out_lens
-
-    def train_epoch(self) -> dict:
-        t, fs = self.cfg.train, self.sets["train"]
-        self.model.train()
-        lengths = [fs.lengths[i] for i in self.train_indices]
-        shuffle = not (t.sortagrad and self.epoch == 1)
-        batches = [[self.train_indices[i] for i in b]
-                   for b in make_batches(lengths, t.batch_size, shuffle, seed=self.cfg.seed * 1000 + self.epoch)]
-        total, count = 0.0, 0
-        bar = tqdm(batches, desc=f"epoch {self.epoch}", unit="batch", leave=False, mininterval=2)
-        for indices in bar:
-            for group in self.opt.param_groups:
-                group["lr"] = self.lr_at(self.epoch, self.step)
-            x, x_lens, y, y_lens = self.batch_to_device(collate(fs, indices))
-            # BN running averages move in the forward pass: a skipped step must take them back too.
-            buffers = [b.clone() for b in self.model.buffers()]
-            loss, _, _ = self.loss_of(x, x_lens, y, y_lens)
-            self.opt.zero_grad(set_to_none=True)
-            if torch.isfinite(loss):
-                loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
-            if not torch.isfinite(loss) or not torch.isfinite(grad_norm):
-                self.skip_step(buffers, [fs.ids[i] for i in indices])
-                continue
-            self.opt.step()
-            self.step += 1
-            self.skipped_in_a_row = 0
-            total += loss.item() * len(indices)
-            count += len(indices)
-            bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
-        return {"train_loss": total / count if count else math.nan, "utterances": count}
-
-    def skip_step(self, buffers: list[torch.Tensor], ids: list[str]) -> None:
-        """A non-finite step would poison AdamW's moments for good: drop it, count it, and stop the run
-        when they keep coming, since the model has then diverged."""
-        for b, saved in zip(self.model.buffers(), buffers):
-            b.copy_(saved)
-        self.skipped_steps += 1
-        self.skipped_in_a_row += 1
-        log.warning("epoch %d step %d: non-finite loss or gradient, step skipped (%d in a row); batch: %s",
-                    self.epoch, self.step, self.skipped_in_a_row, " ".join(ids))
-        if self.skipped_in_a_row > self.cfg.train.max_skipped_steps:
-            raise TrainingDiverged(
-                f"{self.out_dir}: {self.skipped_in_a_row} steps in a row had a non-finite loss or gradient in "
-                f"epoch {self.epoch}; the run has diverged. Lower train.lr (now {self.cfg.train.lr:g}) or "
-                f"check the data; {RESULTS} and {CHECKPOINT} are as after epoch {self.epoch - 1}")
-
-    @torch.no_grad()
-    def evaluate(self, split: str, state: dict | None = None) -> dict:
-        """Loss, WER and CER of a split with greedy decoding; optionally with another state dict."""
-        if state is not None:
-            self.model.load_state_dict(state)
-        self.model.eval()
-        fs = self.sets[split]
-        ids, refs, hyps, total = [], [], [], 0.0
-        for indices in make_batches(fs.lengths, self.cfg.train.batch_size, shuffle=False, seed=0):
-            x, x_lens, y, y_lens = self.batch_to_device(collate(fs, indices))
-            loss, log_probs, out_lens = self.loss_of(x, x_lens, y, y_lens)
-            total += loss.item() * len(indices)
-            hyps += greedy_decode(log_probs, out_lens)
-            refs += [fs.texts[i] for i in indices]
-            ids += [fs.ids[i] for i in indices]
-        wer, cer = error_rates(refs, hyps)
-        return {"loss": total / len(fs), "wer": wer, "cer": cer,
-                "utterances": [{"id": i, "ref": r, "hyp": h} for i, r, h in zip(ids, refs, hyps)]}
-
-    def run(self) -> dict:
-        cfg, t = self.cfg, self.cfg.train
-        results_path = self.out_dir / RESULTS
-        if results_path.exists() and not t.rerun:
-            try:
-                done = json.loads(results_path.read_text())
-                if not isinstance(done, dict):
-                    raise ValueError("not a JSON object")
-            except (OSError, ValueError) as e:  # written atomically, so damaged from outside: rebuild it
-                aside = results_path.with_name(RESULTS + ".unreadable")
-                results_path.replace(aside)
-                log.warning("%s: unreadable (%s), moved to %s; it is rebuilt from %s", results_path, one_line(e),
-                            aside.name, CHECKPOINT)
-                done = {}
-            if done.get("status") == "finished":
-                log.info("%s is finished; train.rerun=true runs it again", self.out_dir)
-                return done
-        if t.rerun:
-            for name in (CHECKPOINT, BEST, RESULTS):
-                (self.out_dir / name).unlink(missing_ok=True)
-        for tmp in self.out_dir.glob(".*.tmp"):  # storage.atomic_write's leftovers from a killed process
-            tmp.unlink(missing_ok=True)
-        self.resume()
-        name = run_name(cfg)
-        tracker = start_tracking(cfg.logger, self.out_dir, f"{name}-s{cfg.seed}", cfg.study, to_container(cfg))
-        log.info("%s: %d parameters on %s, %d/%d/%d utterances (train/val/test), tracking %s",
-                 name, self.params, self.device, len(self.train_indices), len(self.sets["val"]),
-                 len(self.sets["test"]), tracker.mode)
-        try:
-            self.train_epochs(tracker)
-        except TrainingDiverged as e:
-            # The epochs are those of the last complete one; the status and error say why it stopped.
-            write_json(results_path, self.summary("diverged") | {"error": str(e)})
-            tracker.finish()  # a sweep goes on with its next job, which starts its own W&B run
-            raise
-        best_state = self.load(BEST, weights_only=True)
-        test = self.evaluate("test", best_state)
-        results = self.summary("finished") | {
-            "test_wer": test["wer"], "test_cer": test["cer"], "test_loss": test["loss"],
-            "test_utterances": test["utterances"],
-        }
-        write_json(results_path, results)
-        # rnn, bn, impl and seed beside the metrics: flat columns a W&B table can sort and group by
-        tracker.summary({k: results[k] for k in ("rnn", "bn", "impl", "seed", "test_wer", "test_cer",
-                                                   "best_val_wer", "best_epoch", "epoch_time_s", "peak_mem_mb",
-                                                   "params")})
-        tracker.finish()
-        log.info("%s: test WER %.1f%%, CER %.1f%% (best validation epoch %d)", name, 100 * test["wer"],
-                 100 * test["cer"], self.best["epoch"])
-        return results
-
-    def train_epochs(self, tracker) -> None:
-        """Train, validate and checkpoint epoch by epoch up to train.epochs (or patience)."""
-        t, results_path = self.cfg.train, self.out_dir / RESULTS
-        stale = self.epoch - self.best["epoch"]  # a resumed run keeps its patience count
-        while self.epoch < t.epochs and not (t.patience and stale >= t.patience):
-            self.epoch += 1
-            reset_peak_memory(self.device)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            start = time.perf_counter()
-            train = self.train_epoch()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            seconds = time.perf_counter() - start
-            peak_mb = peak_memory_mb(self.device)  # of the training epoch, before evaluation
-            val = self.evaluate("val")
-            row = {"epoch": self.epoch, "train_loss": train["train_loss"], "val_loss": val["loss"],
-                   "val_wer": val["wer"], "val_cer": val["cer"], "epoch_time_s": seconds,
-                   "peak_mem_mb": peak_mb, "utt_per_s": train["utterances"] / seconds,
-                   "lr": self.opt.param_groups[0]["lr"], "skipped_steps": self.skipped_steps}
-            self.history.append(row)
-            if val["wer"] < self.best["val_wer"]:
-                self.best = {"val_wer": val["wer"], "epoch": self.epoch}
-                atomic_write(self.out_dir / BEST, lambda tmp: torch.save(self.model.state_dict(), tmp))
-            stale = self.epoch - self.best["epoch"]
-            self.save_checkpoint()
-            write_json(results_path, self.summary("running"))
-            tracker.log({"train/loss": row["train_loss"], "val/loss": row["val_loss"], "val/wer": row["val_wer"],
-                         "val/cer": row["val_cer"], "epoch/time_s": seconds, "epoch/peak_mem_mb": row["peak_mem_mb"],
-                         "epoch/utt_per_s": row["utt_per_s"], "train/lr": row["lr"]}, step=self.epoch)
-            log.info("epoch %d: train loss %.3f, val loss %.3f, val WER %.1f%%, CER %.1f%%, %.1f s, %.0f MB",
-                     self.epoch, row["train_loss"], row["val_loss"], 100 * row["val_wer"], 100 * row["val_cer"],
-                     seconds, row["peak_mem_mb"])
-
-    def summary(self, status: str) -> dict:
-        cfg = to_container(self.cfg)
-        times = [r["epoch_time_s"] for r in self.history]
-        return {
-            "status": status, "preset": self.preset, "config": cfg, "rnn": cfg["model"]["rnn"], "bn": cfg["model"]["bn"],
-            "impl": cfg["model"]["impl"], "seed": self.cfg.seed, "study": self.cfg.study,
-            "epochs": self.history, "best_epoch": self.best["epoch"], "best_val_wer": self.best["val_wer"],
-            "epoch_time_s": sum(times) / len(times) if times else None,
-            "peak_mem_mb": max((r["peak_mem_mb"] for r in self.history), default=None),
-            "params": self.params, "device": self.device.type, "torch_version": torch.__version__,
-            "skipped_steps": self.skipped_steps, "ctc_skipped_utterances": self.ctc_skipped,
-            "corpus": self.corpus_summary,
-        }
+    def loss(self, x, x_lens, y, y_lens):
+        return ctc_loss(self.model, self.ctc, x, x_lens, y, y_lens, self.bf16)
 
 
-def run_name(cfg: DictConfig) -> str:
-    """rnn-bn[-impl]: the W&B run name and the report's variant label."""
-    m = to_container(cfg.model)
-    return f"{m['rnn']}-{m['bn']}" + ("-cells" if Impl(m["impl"]) is Impl.cells else "")
+def ctc_loss(model, ctc, x, x_lens, y, y_lens, bf16: bool):
+    """CTC loss, log-probabilities (T, N, classes) and output lengths; the loss in float32 under autocast."""
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
+        logits, out_lens = model(x, x_lens)
+    log_probs = logits.float().log_softmax(-1)
+    return ctc(log_probs, y, out_lens, y_lens), log_probs, out_lens
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
+def spec_augment(cfg) -> torch.nn.Module | None:
+    """Frequency and time masks on (N, F, T) training features; None when both counts are 0."""
+    masks = [torchaudio.transforms.FrequencyMasking(cfg.freq_width, iid_masks=True)] * cfg.freq_masks
+    masks += [torchaudio.transforms.TimeMasking(cfg.time_width, iid_masks=True)] * cfg.time_masks
+    return torch.nn.Sequential(*masks) if masks else None
+
+
+def ctc_feasible(model: DeepSpeech2, fs: FeatureSet) -> list[bool]:
+    """CTC needs at least one output frame per label, plus a blank between repeated letters."""
+    frames = model.front_end.output_lengths(torch.tensor(fs.lengths)).tolist()
+    need = [len(t) + sum(a == b for a, b in zip(t, t[1:])) for t in fs.texts]
+    return [n <= f for n, f in zip(need, frames)]
+
+
+@torch.no_grad()
+def score(model, fs: FeatureSet, batch_size: int, device: torch.device, bf16: bool = False) -> dict:
+    """Loss, WER and CER of a feature set with greedy decoding, and each utterance's hypothesis."""
+    model.eval()
+    ctc = torch.nn.CTCLoss(blank=0, zero_infinity=True)
+    ids, refs, hyps, total = [], [], [], 0.0
+    for indices in make_batches(fs.lengths, batch_size, shuffle=False, seed=0):
+        x, x_lens, y, y_lens = (b.to(device) for b in collate(fs, indices))
+        loss, log_probs, out_lens = ctc_loss(model, ctc, x, x_lens, y, y_lens, bf16)
+        total += loss.item() * len(indices)
+        hyps += greedy_decode(log_probs, out_lens)
+        refs += [fs.texts[i] for i in indices]
+        ids += [fs.ids[i] for i in indices]
+    wer, cer = error_rates(refs, hyps)
+    return {"loss": total / len(fs), "wer": wer, "cer": cer,
+            "utterances": [{"id": i, "ref": r, "hyp": h} for i, r, h in zip(ids, refs, hyps)]}
 
 
 def train(cfg: DictConfig, out_dir: Path, preset: str | None = None) -> dict:
-    """Run (or resume, or skip if finished) one training run in out_dir; preset names the experiment."""
-    return Trainer(cfg, out_dir, preset).run()
+    """Run (or resume, or return if finished) one training run in out_dir; preset names the experiment."""
+    validate(cfg)
+    config, t = to_container(cfg), cfg.train
+    folder = RunFolder(out_dir)
+    if not t.rerun:
+        folder.check_settings(config)
+        if (done := folder.results()).get("status") == "finished":
+            log.info("%s is finished; train.rerun=true runs it again", folder.path)
+            return done
+    folder.start(t.rerun)
+    run = Run(cfg)
+    progress = Progress(**(folder.resume(run.model, run.opt, run.device) or {}))
+    name = f"{variant_label(cfg)}-s{cfg.seed}"
+    tracker = start_tracking(cfg.logger, folder.path, name, cfg.study, config)
+    log.info("%s: %d parameters on %s%s, %d/%d/%d utterances (train/val/test), tracking %s, folder %s", name,
+             run.params, run.device, " (bf16)" * run.bf16, len(run.train_indices), len(run.sets["val"]),
+             len(run.sets["test"]), tracker.mode, folder.path)
+    summary = lambda status: results_of(cfg, preset, run, progress, status)  # noqa: E731
+    try:
+        while progress.epoch < t.epochs and not (t.patience and progress.epoch - progress.best_epoch >= t.patience):
+            progress.epoch += 1
+            reset_peak_memory(run.device)
+            synchronize(run.device)
+            start = time.perf_counter()
+            epoch = train_epoch(run, progress, tracker)
+            synchronize(run.device)
+            seconds = time.perf_counter() - start
+            val = score(run.model, run.sets["val"], t.batch_size, run.device, run.bf16)
+            row = {"epoch": progress.epoch, "train_loss": epoch["loss"], "val_loss": val["loss"],
+                   "val_wer": val["wer"], "val_cer": val["cer"], "epoch_time_s": seconds,
+                   "peak_mem_mb": peak_memory_mb(run.device),  # of this epoch's training, before validation
+                   "utt_per_s": epoch["utterances"] / seconds, "lr": run.opt.param_groups[0]["lr"],
+                   "skipped_steps": progress.skipped_steps,
+                   "grad_norm_mean": epoch["grad_norm_mean"], "grad_norm_max": epoch["grad_norm_max"]}
+            progress.history.append(row)
+            if val["wer"] < progress.best_val_wer:
+                progress.best_val_wer, progress.best_epoch = val["wer"], progress.epoch
+                folder.save_best(run.model, config, epoch=progress.epoch, val_wer=val["wer"])
+            folder.save_checkpoint(run.model, run.opt, asdict(progress))
+            folder.write_results(summary("running"))
+            tracker.log_epoch(row)
+            log.info("epoch %d: train loss %.3f, val loss %.3f, val WER %.1f%%, CER %.1f%%, %.1f s, %.0f MB, "
+                     "grad norm %.2f (max %.2f)", row["epoch"], row["train_loss"], row["val_loss"],
+                     100 * row["val_wer"], 100 * row["val_cer"], seconds, row["peak_mem_mb"],
+                     row["grad_norm_mean"], row["grad_norm_max"])
+    except TrainingDiverged as e:
+        # The epochs are those of the last complete one; the status and error say why it stopped.
+        folder.write_results(summary("diverged") | {"error": str(e)})
+        tracker.finish()  # a sweep goes on with its next job, which starts its own W&B run
+        raise
+    run.model.load_state_dict(folder.best_state(run.device))
+    test = score(run.model, run.sets["test"], t.batch_size, run.device, run.bf16)
+    results = summary("finished") | {"test_wer": test["wer"], "test_cer": test["cer"], "test_loss": test["loss"],
+                                     "test_utterances": test["utterances"]}
+    folder.write_results(results)
+    # flat columns a W&B runs table can sort and group by, beside the config
+    tracker.summary({k: results[k] for k in ("rnn", "bn", "impl", "seed", "test_wer", "test_cer", "best_val_wer",
+                                              "best_epoch", "epoch_time_s", "peak_mem_mb", "params", "stop")})
+    tracker.finish()
+    log.info("%s: test WER %.1f%%, CER %.1f%% (best validation epoch %d of %d, stopped by %s); %s", name,
+             100 * test["wer"], 100 * test["cer"], progress.best_epoch, progress.epoch, results["stop"],
+             folder.path)
+    return results
+
+
+def train_epoch(run: Run, progress: Progress, tracker) -> dict:
+    """One pass over the training batches; returns the mean loss, utterances seen and the pre-clip
+    gradient norms' mean and max (the signal of a deep plain network that stalls)."""
+    t, fs, model = run.cfg.train, run.sets["train"], run.model
+    model.train()
+    lengths = [fs.lengths[i] for i in run.train_indices]
+    shuffle = not (t.sortagrad and progress.epoch == 1)  # DS2's SortaGrad: epoch 1 in length order
+    batches = make_batches(lengths, t.batch_size, shuffle, seed=run.cfg.seed * 1000 + progress.epoch)
+    total, count, norms = 0.0, 0, []
+    bar = tqdm(batches, desc=f"epoch {progress.epoch}", unit="batch", leave=False, mininterval=2)
+    for batch in bar:
+        indices = [run.train_indices[i] for i in batch]
+        lr = run.lr_at(progress.epoch, progress.step)
+        for group in run.opt.param_groups:
+            group["lr"] = lr
+        x, x_lens, y, y_lens = (b.to(run.device, non_blocking=True) for b in collate(fs, indices))
+        if run.augment is not None:
+            x = run.augment(x.unsqueeze(1)).squeeze(1)  # (N, 1, F, T): a mask per utterance
+        buffers = [b.clone() for b in model.buffers()]  # BN running averages: a skipped step restores them
+        loss, _, _ = run.loss(x, x_lens, y, y_lens)
+        run.opt.zero_grad(set_to_none=True)
+        grad_norm = torch.tensor(math.nan)
+        if torch.isfinite(loss):
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)  # the pre-clip norm
+        if not torch.isfinite(loss) or not torch.isfinite(grad_norm):
+            # A non-finite step would poison AdamW's moments for good: drop it, count it, and stop the run
+            # when they keep coming, since the model has then diverged.
+            for b, saved in zip(model.buffers(), buffers):
+                b.copy_(saved)
+            progress.skipped_steps += 1
+            progress.skipped_in_a_row += 1
+            log.warning("epoch %d step %d: non-finite loss or gradient, step skipped (%d in a row); batch: %s",
+                        progress.epoch, progress.step, progress.skipped_in_a_row, " ".join(fs.ids[i] for i in indices))
+            if progress.skipped_in_a_row > t.max_skipped_steps:
+                raise TrainingDiverged(
+                    f"{progress.skipped_in_a_row} steps in a row had a non-finite loss or gradient in epoch {progress.epoch}; the "
+                    f"run has diverged. Lower train.lr (now {t.lr:g}) or check the data; {RESULTS} and "
+                    f"{CHECKPOINT} are as after epoch {progress.epoch - 1}")
+            continue
+        run.opt.step()
+        progress.step += 1
+        progress.skipped_in_a_row = 0
+        total += loss.item() * len(indices)
+        count += len(indices)
+        norms.append(grad_norm.item())
+        tracker.log_step(progress.step, {"loss": loss.item(), "grad_norm": norms[-1], "lr": lr})
+        bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+    return {"loss": total / count if count else math.nan, "utterances": count,
+            "grad_norm_mean": sum(norms) / len(norms) if norms else math.nan, "grad_norm_max": max(norms, default=math.nan)}
+
+
+def results_of(cfg: DictConfig, preset: str | None, run: Run, progress: Progress, status: str) -> dict:
+    """results.json: the run's identity, its epochs, and the figures the report reads."""
+    config, t = to_container(cfg), cfg.train
+    times = [r["epoch_time_s"] for r in progress.history]
+    stale = progress.epoch - progress.best_epoch
+    stop = "patience" if t.patience and stale >= t.patience else "cap" if progress.epoch >= t.epochs else None
+    return {
+        "status": status, "preset": preset, "config": config, "rnn": config["model"]["rnn"],
+        "bn": config["model"]["bn"], "impl": config["model"]["impl"], "seed": cfg.seed, "study": cfg.study,
+        "epochs": progress.history, "best_epoch": progress.best_epoch, "best_val_wer": progress.best_val_wer,
+        # "cap" with a best epoch inside the last patience window: still improving when the cap stopped it
+        "stop": stop, "improving_at_cap": stop == "cap" and stale < max(t.patience, 1),
+        "epoch_time_s": sum(times) / len(times) if times else None,
+        "peak_mem_mb": max((r["peak_mem_mb"] for r in progress.history), default=None),
+        "params": run.params, "device": run.device.type, "bf16": run.bf16, "torch_version": torch.__version__,
+        "skipped_steps": progress.skipped_steps, "ctc_skipped_utterances": run.ctc_skipped,
+        "corpus": run.corpus_summary,
+    }
+
+
+def variant_label(cfg: DictConfig) -> str:
+    """rnn-bn[-cells]: the W&B run name's stem."""
+    m = to_container(cfg.model)
+    return f"{m['rnn']}-{m['bn']}" + ("-cells" if Impl(m["impl"]) is Impl.cells else "")

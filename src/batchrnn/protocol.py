@@ -1,0 +1,130 @@
+"""What a run is, which runs are seeds of one setting, and which learning rate each variant gets.
+
+A run is identified by its resolved settings, not by the overrides that were typed: `model.bn=none`, no
+override at all and `seed=0` are one run. Settings that cannot change a result (NEUTRAL) stay out.
+"""
+import hashlib
+import json
+import math
+from collections import defaultdict
+
+from omegaconf import OmegaConf
+
+from batchrnn.config import Config, Impl
+
+# Where the data comes from, where things are written, how fast, and the study's bookkeeping: none of
+# these changes what a run computes, so a run restarted with another of them is the same run.
+NEUTRAL = ("study", "protocol", "logger", "data.archive", "data.mirrors", "data.root", "train.device",
+           "train.threads", "train.rerun")
+SEED, LR = "seed", "train.lr"
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """{"model.rnn": "gru", "model.conv": [...], ...}: nested dicts flattened, lists kept whole."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= flatten(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def settings(config: dict) -> dict:
+    """The flat settings of a resolved config (a plain dict, as results.json holds it) that can change
+    a result, the seed among them."""
+    return {k: v for k, v in flatten(config).items() if not any(k == n or k.startswith(n + ".") for n in NEUTRAL)}
+
+
+_DEFAULTS = None
+
+
+def default_settings() -> dict:
+    global _DEFAULTS
+    if _DEFAULTS is None:  # the schema's defaults; resolving them reads $AN4_ARCHIVE, a neutral key
+        _DEFAULTS = settings(OmegaConf.to_container(OmegaConf.structured(Config), resolve=True, enum_to_str=True))
+    return _DEFAULTS
+
+
+def canonical(values: dict) -> str:
+    return json.dumps(values, sort_keys=True, separators=(",", ":"))
+
+
+def run_name(config: dict) -> str:
+    """The run folder's name: readable (rnn-bn[-cells]-L<layers>-lr<lr>-s<seed>) and unique, through a
+    hash of the settings that differ from the schema's defaults (so a new setting with a default does
+    not rename every earlier run)."""
+    s, defaults = settings(config), default_settings()
+    changed = {k: v for k, v in s.items() if k not in defaults or defaults[k] != v}
+    digest = hashlib.sha1(canonical(changed).encode()).hexdigest()[:8]
+    cells = "-cells" if s["model.impl"] == Impl.cells.value else ""
+    return f"{s['model.rnn']}-{s['model.bn']}{cells}-L{s['model.num_layers']}-lr{s[LR]:g}-s{s[SEED]}-{digest}"
+
+
+def mismatch(stored: dict, current: dict) -> list[str]:
+    """Settings in which a run folder's stored config differs from the current one. A setting only one
+    side knows (added to the schema later) counts as its default."""
+    a, b, defaults = settings(stored), settings(current), default_settings()
+    return sorted(k for k in a.keys() | b.keys() if a.get(k, defaults.get(k)) != b.get(k, defaults.get(k)))
+
+
+def setting_key(config: dict, without: tuple[str, ...] = (SEED,)) -> str:
+    """Runs with equal keys are repetitions of one setting: by default, seeds of one configuration."""
+    return canonical({k: v for k, v in settings(config).items() if k not in without})
+
+
+def variant_key(config: dict) -> str:
+    """What the learning-rate choice is made for: every setting but the seed and the rate."""
+    return setting_key(config, (SEED, LR))
+
+
+def val_wer_for_choice(result: dict) -> float:
+    """A finished run's best validation WER; a diverged run's is infinite (that rate lost); None while running."""
+    if result.get("status") == "diverged":
+        return math.inf
+    return result.get("best_val_wer") if result.get("status") == "finished" else None
+
+
+def choose_lrs(results: list[dict], lrs: list[float], tune_seeds: list[int]) -> dict[str, dict]:
+    """{variant key: {"lr": chosen rate or None, "by_lr": {rate: mean best val WER or None}, "missing":
+    [(rate, seed), ...]}} for every variant among `results` (results.json dicts). The rule: the rate of
+    `lrs` with the lowest best validation WER averaged over `tune_seeds`; ties go to the smaller rate.
+    Nothing is chosen while a tuning run is missing or unfinished."""
+    found = defaultdict(dict)  # variant -> {(lr, seed): val WER}
+    for r in results:
+        config = r["config"]
+        found[variant_key(config)][config["train"]["lr"], config["seed"]] = val_wer_for_choice(r)
+    choice = {}
+    for variant, runs in found.items():
+        by_lr, missing = {}, []
+        for lr in lrs:
+            values = [runs.get((lr, seed)) for seed in tune_seeds]
+            missing += [(lr, seed) for seed, v in zip(tune_seeds, values) if v is None]
+            by_lr[lr] = None if None in values else sum(values) / len(values)
+        chosen = None if missing else min(lrs, key=lambda lr: (by_lr[lr], lr))
+        choice[variant] = {"lr": chosen, "by_lr": by_lr, "missing": missing}
+    return choice
+
+
+class ProtocolError(RuntimeError):
+    """A protocol stage that cannot run yet; the message says which runs are missing and how to make them."""
+
+
+def tuned_lr(study_dir, config: dict) -> float:
+    """The learning rate the tuning stage chose for this run's variant, from the runs in study_dir."""
+    from batchrnn.rundir import read_study
+
+    p = config["protocol"]
+    if not p["lrs"]:
+        raise ProtocolError("protocol.stage=final: protocol.lrs is empty, so there is no tuning stage to take a "
+                            "rate from; set protocol.lrs, or drop protocol.stage=final and give train.lr")
+    results, _ = read_study(study_dir)
+    tuning = [r for r in results if r["config"]["train"]["lr"] in p["lrs"] and r["config"]["seed"] in p["tune_seeds"]]
+    choice = choose_lrs(tuning, p["lrs"], p["tune_seeds"]).get(variant_key(config))
+    if choice is None or choice["lr"] is None:
+        missing = choice["missing"] if choice else [(lr, s) for lr in p["lrs"] for s in p["tune_seeds"]]
+        m = config["model"]
+        raise ProtocolError(
+            f"{study_dir}: the tuning stage of {m['rnn']}-{m['bn']} (L{m['num_layers']}) is not complete: missing or "
+            f"unfinished (lr, seed) {missing}; run the tuning stage first (python -m batchrnn.study runs both stages)")
+    return choice["lr"]

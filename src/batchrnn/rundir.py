@@ -1,0 +1,135 @@
+"""A run's folder: results.json (its state), checkpoint.pt (to resume), best.pt (the model), run.log.
+
+Every file is replaced whole (storage.atomic_write), so a killed run leaves the last complete epoch.
+A folder belongs to one configuration: a run with other settings is refused, never mixed in.
+"""
+import json
+import logging
+import random
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from batchrnn.data import one_line
+from batchrnn.protocol import mismatch
+from batchrnn.storage import atomic_write, write_json
+
+log = logging.getLogger(__name__)
+CHECKPOINT, BEST, RESULTS, LOG = "checkpoint.pt", "best.pt", "results.json", "run.log"
+
+
+class RunError(RuntimeError):
+    """A damaged run folder, or one that holds another configuration; the message names the file and the fix."""
+
+
+class RunFolder:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    def results(self) -> dict:
+        """results.json as written last, {} when there is none. A damaged one (written atomically, so damaged
+        from outside) is moved aside and rebuilt from the checkpoint."""
+        path = self.file(RESULTS)
+        if not path.exists():
+            return {}
+        try:
+            done = json.loads(path.read_text())
+            if not isinstance(done, dict):
+                raise ValueError("not a JSON object")
+            return done
+        except (OSError, ValueError) as e:
+            aside = path.with_name(RESULTS + ".unreadable")
+            path.replace(aside)
+            log.warning("%s: unreadable (%s), moved to %s; it is rebuilt from %s", path, one_line(e), aside.name,
+                        CHECKPOINT)
+            return {}
+
+    def check_settings(self, config: dict) -> None:
+        """Refuse a folder whose run has other result-affecting settings (a hand-made folder name, or a
+        schema default changed since): resuming would mix two configurations in one run."""
+        stored = self.results().get("config")
+        differ = mismatch(stored, config) if stored else []
+        if differ:
+            raise RunError(f"{self.path}: holds a run with other settings ({', '.join(differ[:5])}); move that "
+                           "folder away, or train.rerun=true to replace it")
+
+    def start(self, rerun: bool) -> None:
+        if rerun:
+            for name in (CHECKPOINT, BEST, RESULTS):
+                self.file(name).unlink(missing_ok=True)
+        for tmp in self.path.glob(".*.tmp"):  # atomic_write's leftovers from a killed process
+            tmp.unlink(missing_ok=True)
+
+    def write_results(self, results: dict) -> None:
+        write_json(self.file(RESULTS), results)
+
+    def load(self, name: str, device: torch.device, weights_only: bool):
+        path = self.file(name)
+        try:
+            return torch.load(path, map_location=device, weights_only=weights_only)
+        except Exception as e:  # only complete files are renamed into place, so this is real damage
+            raise RunError(f"{path}: unreadable ({one_line(e)}); delete {CHECKPOINT} and {BEST} in that folder "
+                           "to train this run afresh") from e
+
+    def save_checkpoint(self, model, opt, progress: dict) -> None:
+        state = {"model": model.state_dict(), "opt": opt.state_dict(), "progress": progress,
+                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+        atomic_write(self.file(CHECKPOINT), lambda tmp: torch.save(state, tmp))
+
+    def resume(self, model, opt, device: torch.device) -> dict | None:
+        """Loads the last complete epoch into model and opt (and the RNG); returns its progress, or None."""
+        if not self.file(CHECKPOINT).exists():
+            return None
+        state = self.load(CHECKPOINT, device, weights_only=False)  # holds Python's RNG state, a tuple
+        try:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+            progress = state["progress"]
+        except (KeyError, RuntimeError, ValueError) as e:  # another model's checkpoint in this folder
+            raise RunError(f"{self.file(CHECKPOINT)}: does not fit this model ({type(e).__name__}); use "
+                           "another output folder, or train.rerun=true to replace this run") from e
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        log.info("resumed %s at epoch %d", self.path, progress["epoch"])
+        return progress
+
+    def save_best(self, model, config: dict, **extra) -> None:
+        state = {"config": config, "state_dict": model.state_dict(), **extra}
+        atomic_write(self.file(BEST), lambda tmp: torch.save(state, tmp))
+
+    def best_state(self, device: torch.device) -> dict:
+        return self.load(BEST, device, weights_only=True)["state_dict"]
+
+    @contextmanager
+    def logging(self):
+        """The run's own log file beside its results, while the run lasts (Hydra's log is the terminal's)."""
+        handler = logging.FileHandler(self.file(LOG))
+        handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        root = logging.getLogger()
+        root.addHandler(handler)
+        try:
+            yield
+        finally:
+            root.removeHandler(handler)
+            handler.close()
+
+
+def read_study(study_dir: Path) -> tuple[list[dict], list[Path]]:
+    """Every results.json under study_dir (each dict gets "path", its run folder), and the unreadable ones."""
+    results, unreadable = [], []
+    for path in sorted(Path(study_dir).rglob(RESULTS)):
+        try:
+            result = json.loads(path.read_text())
+            if not isinstance(result, dict) or not isinstance(result.get("config"), dict):
+                raise ValueError("not a results file with a config")
+        except (OSError, ValueError) as e:  # JSONDecodeError is a ValueError
+            unreadable.append(path)
+            log.warning("skipping %s: %s; rerun that run or delete the file", path, one_line(e))
+            continue
+        results.append(result | {"path": str(path.parent)})
+    return results, unreadable

@@ -52,8 +52,8 @@ def main(cfg: DictConfig) -> float:
         cfg.train.threads = job_threads(HydraConfig.get().launcher, len(os.sched_getaffinity(0)))
     from batchrnn.data import DataError  # after validation: a bad value fails before torch loads
     from batchrnn.protocol import ProtocolError, run_name, tuned_lr
-    from batchrnn.rundir import RunFolder
-    from batchrnn.train import RunError, TrainingDiverged, train
+    from batchrnn.rundir import RunError, RunFolder
+    from batchrnn.train import TrainingDiverged, train
 
     hydra_cfg = HydraConfig.get()
     study_dir = Path(hydra_cfg.runtime.output_dir)

@@ -26,7 +26,8 @@ from hydra import compose, initialize_config_dir
 from batchrnn import data, features, tracking
 from batchrnn.config import DataConfig
 from batchrnn.data import DataError, extract_archive, prepare_corpus
-from batchrnn.train import BEST, CHECKPOINT, RESULTS, RunError, TrainingDiverged, train
+from batchrnn.rundir import BEST, CHECKPOINT, RESULTS, RunError
+from batchrnn.train import TrainingDiverged, train
 from conftest import ROOT
 
 pytestmark = pytest.mark.filterwarnings("ignore:AN4 archive of unknown checksum", "ignore:.*skipping",

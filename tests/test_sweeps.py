@@ -13,7 +13,9 @@ from omegaconf import OmegaConf
 from batchrnn import report
 from batchrnn import train as train_module
 from batchrnn.sweep import job_threads
-from batchrnn.train import RESULTS, Trainer
+from batchrnn.rundir import RESULTS
+from batchrnn.train import Progress, Run, train_epoch
+from batchrnn.tracking import Tracker
 from conftest import ROOT
 
 # What may differ between two runs of the same job: the clock, the memory, the machine.
@@ -52,13 +54,12 @@ def test_seed_changes_init_and_batch_order(make_config, smoke_root, tmp_path, mo
     weights, orders = [], []
     for seed in (1, 2):
         cfg = make_config("experiment=smoke", f"data.root={smoke_root}", f"seed={seed}")
-        trainer = Trainer(cfg, tmp_path / str(seed))
-        weights.append(torch.cat([p.detach().flatten() for p in trainer.model.parameters()]))
+        run = Run(cfg)
+        weights.append(torch.cat([p.detach().flatten() for p in run.model.parameters()]))
         calls = []
         monkeypatch.setattr(train_module, "make_batches",
                             lambda *a, **k: calls.append(make_batches(*a, **k)) or calls[-1])
-        trainer.epoch = 2  # epoch 1 is SortaGrad's, in length order whatever the seed
-        trainer.train_epoch()
+        train_epoch(run, Progress(epoch=2), Tracker())  # epoch 1 is SortaGrad's, in length order whatever the seed
         orders.append(calls[0])
     assert not torch.equal(*weights)
     assert orders[0] != orders[1] and sorted(orders[0]) == sorted(orders[1])  # the same batches, reordered
@@ -66,8 +67,10 @@ def test_seed_changes_init_and_batch_order(make_config, smoke_root, tmp_path, mo
 
 def test_report_pools_the_seeds_of_a_variant(serial, tmp_path):
     sweep_dir, results = serial
-    assert sorted(results) == ["model.bn=seqwise,seed=1", "model.bn=seqwise,seed=2"]  # seed names the folder
-    assert results["model.bn=seqwise,seed=1"]["epochs"] != results["model.bn=seqwise,seed=2"]["epochs"]
+    assert [name.split("-")[:5] for name in sorted(results)] == [["gru", "seqwise", "L2", "lr0.003", "s1"],
+                                                                  ["gru", "seqwise", "L2", "lr0.003", "s2"]]
+    first, second = (results[name] for name in sorted(results))
+    assert first["epochs"] != second["epochs"]
     report.write_report(sweep_dir, tmp_path)
     (row,) = json.loads((tmp_path / "report.json").read_text())["rows"]
     assert (row["label"], row["n"], row["seeds"]) == ("gru-seqwise", 2, [1, 2])

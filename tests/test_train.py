@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from batchrnn.train import CHECKPOINT, RESULTS, train
+from batchrnn.rundir import CHECKPOINT, RESULTS
+from batchrnn.train import train
 from batchrnn.tracking import read_offline_run
 from conftest import ROOT
 

@@ -2,25 +2,21 @@
 import torch
 from torch import nn
 
-from batchrnn.config import BNMode, Impl, ModelConfig
+from batchrnn.config import BNMode, Impl, ModelConfig, RNNType, check_variant
 from batchrnn.rnn import LAYERS, MaskedBatchNorm, RecurrentLayer
 
 
 def build_recurrent_layer(rnn: str, bn: str, input_size: int, hidden_size: int, bidirectional: bool = True,
-                          impl: str | None = None, share_input_weights: bool = False) -> RecurrentLayer:
+                          impl: str = "fused", share_input_weights: bool = False) -> RecurrentLayer:
     """One recurrent layer of the variant (rnn, bn): forward(x (T, N, input_size), lengths (N,)) ->
     (T, N, hidden_size), directions summed. `impl` picks seqwise's implementation (fused or cells)."""
-    bn, impl = BNMode(bn), Impl(impl or Impl.fused)
-    kwargs = {}
-    if share_input_weights:
-        if bn not in (BNMode.seqwise, BNMode.skip):
-            raise ValueError(f"share_input_weights needs bn=seqwise or skip, not bn={bn.value}")
-        kwargs["share_input_weights"] = True
-    if impl is not Impl.fused:
-        if bn is not BNMode.seqwise:
-            raise ValueError(f"impl={impl.value} exists for bn=seqwise only, not bn={bn.value}")
-        kwargs["impl"] = impl
-    return LAYERS[bn](rnn, input_size, hidden_size, bidirectional, **kwargs)
+    variant = ModelConfig(rnn=RNNType(rnn), bn=BNMode(bn), impl=Impl(impl), bidirectional=bidirectional,
+                          share_input_weights=share_input_weights)
+    check_variant(variant)  # the combinations without a layer, refused where the config is checked too
+    kwargs = {"share_input_weights": True} if share_input_weights else {}
+    if variant.bn is BNMode.seqwise:
+        kwargs["impl"] = variant.impl
+    return LAYERS[variant.bn](rnn, input_size, hidden_size, bidirectional, **kwargs)
 
 
 def conv_output_length(lengths: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from batchrnn.device import peak_memory_mb, pick_device, reset_peak_memory, sync
 from batchrnn.features import FeatureSet, collate, load_features, make_batches
 from batchrnn.metrics import error_rates
 from batchrnn.model import DeepSpeech2
-from batchrnn.rundir import CHECKPOINT, RESULTS, RunError, RunFolder  # noqa: F401 - re-exported for callers
+from batchrnn.rundir import CHECKPOINT, RESULTS, RunFolder
 from batchrnn.text import LABELS, greedy_decode
 from batchrnn.tracking import start_tracking
 

@@ -301,9 +301,7 @@ class Trainer:
             stale = self.epoch - self.best["epoch"]
             self.save_checkpoint()
             write_json(results_path, self.summary("running"))
-            tracker.log({"train/loss": row["train_loss"], "val/loss": row["val_loss"], "val/wer": row["val_wer"],
-                         "val/cer": row["val_cer"], "epoch/time_s": seconds, "epoch/peak_mem_mb": row["peak_mem_mb"],
-                         "epoch/utt_per_s": row["utt_per_s"], "train/lr": row["lr"]}, step=self.epoch)
+            tracker.log_epoch(row)
             log.info("epoch %d: train loss %.3f, val loss %.3f, val WER %.1f%%, CER %.1f%%, %.1f s, %.0f MB",
                      self.epoch, row["train_loss"], row["val_loss"], 100 * row["val_wer"], 100 * row["val_cer"],
                      seconds, row["peak_mem_mb"])

@@ -23,3 +23,21 @@ def make_config():
 def smoke_root(tmp_path_factory) -> Path:
     """data.root for the smoke corpus, shared so the corpus is generated once per test session."""
     return tmp_path_factory.mktemp("smoke-data")
+
+
+@pytest.fixture
+def wandb_env(tmp_path, monkeypatch):
+    """No W&B credentials or server anywhere wandb looks (env, ~/.netrc, ~/.config/wandb), so auto goes
+    offline; returns online(base_url), which sets a fake key and that server."""
+    for var in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("NETRC", str(home / ".netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(home / "wandb"))
+
+    def online(base_url: str) -> None:
+        monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+        monkeypatch.setenv("WANDB_BASE_URL", base_url)
+
+    return online

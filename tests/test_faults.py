@@ -29,6 +29,7 @@ from batchrnn.data import DataError, extract_archive, prepare_corpus
 from batchrnn.rundir import BEST, CHECKPOINT, RESULTS, RunError
 from batchrnn.train import TrainingDiverged, train
 from conftest import ROOT
+from wandb_offline import read_offline_run
 
 pytestmark = pytest.mark.filterwarnings("ignore:AN4 archive of unknown checksum", "ignore:.*skipping",
                                         "ignore:.*normalised")
@@ -415,19 +416,14 @@ def test_corrupt_feature_cache_is_computed_again(tmp_path, smoke):
 # -- logging ---------------------------------------------------------------------------------------
 
 def test_unreachable_wandb_server_falls_back_to_offline_and_training_completes(smoke, tmp_path, monkeypatch,
-                                                                                caplog):
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home" / "wandb"))
-    monkeypatch.setenv("NETRC", str(tmp_path / "home" / ".netrc"))
-    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
-    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # the discard port: nothing listens
-    monkeypatch.delenv("WANDB_MODE", raising=False)
+                                                                                caplog, wandb_env):
+    wandb_env("http://127.0.0.1:9")  # the discard port: nothing listens
     monkeypatch.setattr(tracking, "INIT_TIMEOUT_S", 2)
     results = train(smoke("logger.mode=online"), tmp_path / "run")
     assert results["status"] == "finished"
     assert "W&B online init failed" in caplog.text and "logging offline" in caplog.text
-    history = [h for h in tracking.read_offline_run(tmp_path / "run")["history"] if "val/wer" in h]
-    assert [h["val/wer"] for h in history] == pytest.approx([e["val_wer"] for e in results["epochs"]])
+    history = [h for h in read_offline_run(tmp_path / "run")["history"] if "val_wer" in h]
+    assert [h["val_wer"] for h in history] == pytest.approx([e["val_wer"] for e in results["epochs"]])
 
 
 class FakeWandbServer(http.server.ThreadingHTTPServer):
@@ -474,34 +470,30 @@ class FakeWandbHandler(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_wandb_server_lost_mid_run_costs_only_the_upload(smoke, tmp_path, monkeypatch, caplog):
+def test_wandb_server_lost_mid_run_costs_only_the_upload(smoke, tmp_path, monkeypatch, caplog, wandb_env):
     """Online start, then the server goes away after epoch 1: training finishes, finish gives up after
     FINISH_TIMEOUT_S instead of waiting forever (wandb's default), and every epoch is on disk to sync."""
     server = FakeWandbServer()
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    for name, value in {"HOME": tmp_path / "home", "WANDB_CONFIG_DIR": tmp_path / "home" / "wandb",
-                        "NETRC": tmp_path / "home" / ".netrc", "WANDB_API_KEY": "x" * 40,
-                        "WANDB_BASE_URL": server.url}.items():
-        monkeypatch.setenv(name, str(value))
-    monkeypatch.delenv("WANDB_MODE", raising=False)
+    wandb_env(server.url)
     monkeypatch.setattr(tracking, "FINISH_TIMEOUT_S", 3)
-    log_epoch = tracking.WandbTracker.log
+    log_epoch = tracking.WandbTracker.log_epoch
 
-    def log_then_lose_the_server(self, metrics, step):
-        log_epoch(self, metrics, step)
-        if step == 1:
+    def log_then_lose_the_server(self, row):
+        log_epoch(self, row)
+        if row["epoch"] == 1:
             server.shutdown()
             server.server_close()  # connections are refused from here on
 
-    monkeypatch.setattr(tracking.WandbTracker, "log", log_then_lose_the_server)
+    monkeypatch.setattr(tracking.WandbTracker, "log_epoch", log_then_lose_the_server)
     start = time.monotonic()
     results = train(smoke("logger.mode=online"), tmp_path / "run")
     assert results["status"] == "finished" and len(results["epochs"]) > 1
     assert time.monotonic() - start < 120  # without finish_timeout, wandb's finish blocks for good
     assert "W&B online init failed" not in caplog.text  # it did start online
     assert "W&B could not finish the run" in caplog.text and "wandb sync" in caplog.text
-    history = [h for h in tracking.read_offline_run(tmp_path / "run", prefix="run")["history"] if "val/wer" in h]
-    assert [h["val/wer"] for h in history] == pytest.approx([e["val_wer"] for e in results["epochs"]])
+    history = [h for h in read_offline_run(tmp_path / "run", prefix="run")["history"] if "val_wer" in h]
+    assert [h["val_wer"] for h in history] == pytest.approx([e["val_wer"] for e in results["epochs"]])
 
 
 # -- downloads -------------------------------------------------------------------------------------

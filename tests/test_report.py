@@ -180,14 +180,10 @@ def test_depth_sweep_compares_within_each_depth(depth_sweep, tmp_path):
         assert f"]({name})" in text
 
 
-def test_report_is_logged_to_wandb_as_a_report_run(sweep, tmp_path, monkeypatch, capsys):
-    from batchrnn.tracking import read_offline_run
+@pytest.mark.usefixtures("wandb_env")  # no key: auto goes offline
+def test_report_is_logged_to_wandb_as_a_report_run(sweep, tmp_path, capsys):
+    from wandb_offline import read_offline_run
 
-    for var in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE"):  # no key: auto goes offline
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("NETRC", str(tmp_path / "home" / ".netrc"))
-    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home" / "wandb"))
     with pytest.warns(UserWarning, match="broken"):
         report.main([str(sweep), "--out", str(tmp_path / "out"), "--wandb"])
     assert "W&B: report logged offline, upload with `wandb sync" in capsys.readouterr().out

@@ -143,7 +143,8 @@ def train(cfg: DictConfig, out_dir: Path, preset: str | None = None) -> dict:
     log.info("%s: %d parameters on %s%s, %d/%d/%d utterances (train/val/test), tracking %s, folder %s", name,
              run.params, run.device, " (bf16)" * run.bf16, len(run.train_indices), len(run.sets["val"]),
              len(run.sets["test"]), tracker.mode, folder.path)
-    summary = lambda status: results_of(cfg, preset, run, progress, status)  # noqa: E731
+    # "failed" when wandb could not start at all, which the log warned about: recorded beside the results
+    summary = lambda status: results_of(cfg, preset, run, progress, status) | {"tracking": tracker.mode}  # noqa: E731
     try:
         while progress.epoch < t.epochs and not (t.patience and progress.epoch - progress.best_epoch >= t.patience):
             progress.epoch += 1

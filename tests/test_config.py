@@ -58,3 +58,34 @@ def test_cli_refuses_bad_value_before_any_work(tmp_path):
     assert "model.hidden_size=-3: must be positive" in run.stdout + run.stderr
     assert "Traceback" not in run.stderr
     assert not (tmp_path / "results.json").exists()
+
+
+def test_without_a_preset_the_machine_picks_one():
+    import torch
+
+    from batchrnn.config import with_device_preset
+
+    expected = "experiment=an4_gpu" if torch.cuda.is_available() else "experiment=an4_cpu"
+    assert with_device_preset(["model.bn=seqwise"]) == ["model.bn=seqwise", expected]
+    for given in (["experiment=smoke"], ["+experiment=an4_depth"], ["experiment=null"], ["--help"]):
+        assert with_device_preset(given) == given
+
+
+def test_every_schema_default_is_defined_once():
+    """conf/'s group files hold no value equal to the schema's default for the same key: a second copy of
+    a default is the one that gets edited while the other silently wins. (Presets in experiment/ may pin
+    a value on purpose: a preset must not change when a default does.)"""
+    import yaml
+    from omegaconf import OmegaConf
+
+    from batchrnn.config import Config
+    from batchrnn.protocol import flatten
+
+    defaults = flatten(OmegaConf.to_container(OmegaConf.structured(Config)))
+    for path in (ROOT / "conf").rglob("*.yaml"):
+        if "hydra" in path.parts or "experiment" in path.parts:
+            continue
+        tree = yaml.safe_load(path.read_text()) or {}
+        prefix = "" if path.name == "config.yaml" else f"{path.parent.name}."
+        for key, value in flatten({k: v for k, v in tree.items() if k not in ("defaults", "hydra")}, prefix).items():
+            assert key not in defaults or defaults[key] != value, f"{path}: {key}: {value} repeats the schema's default"

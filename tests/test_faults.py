@@ -348,14 +348,15 @@ def uninterrupted(tmp_path_factory, smoke_root):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_killed_run_resumes_and_ends_as_if_never_killed(tmp_path, smoke_root, uninterrupted, sig):
-    run = tmp_path / "run"
-    args = ["experiment=smoke", f"data.root={smoke_root}", f"hydra.run.dir={run}", "train.epochs=6"]
+    study = tmp_path / "study"
+    args = ["experiment=smoke", f"data.root={smoke_root}", f"hydra.run.dir={study}", "train.epochs=6"]
     with open(tmp_path / "out.log", "w+") as out:
         proc = subprocess.Popen([*RUN, *args], stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
-        while not (run / CHECKPOINT).exists():  # epoch 1 is complete: kill it in epoch 2 or later
+        while not list(study.glob(f"*/{CHECKPOINT}")):  # epoch 1 is complete: kill it in epoch 2 or later
             assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it was killed"
             time.sleep(0.01)
+        (run,) = (p.parent for p in study.glob(f"*/{CHECKPOINT}"))
         proc.send_signal(sig)
         code = proc.wait(timeout=60)
         out.seek(0)
@@ -563,3 +564,13 @@ def test_failing_download_names_the_url_and_leaves_nothing_behind(tmp_path, serv
                                         "to a local copy"):
         prepare_corpus(DataConfig(archive=url, root=str(tmp_path)))
     assert len(server.requests) == 4 and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("typed", ["+model.bnn=seqwise", "++train.lrr=1e-3", "+extra=1"])
+def test_unknown_key_fails_whatever_its_prefix(tmp_path, typed):
+    """Hydra's own hint for a misspelt key is `+key=value`, which adds it past the schema."""
+    run = cli("experiment=smoke", typed, f"hydra.run.dir={tmp_path}", timeout=60)
+    key = typed.lstrip("+").split("=")[0]
+    assert run.returncode == 2 and "Traceback" not in run.stdout + run.stderr
+    assert f"error: {key}: no such setting" in run.stdout + run.stderr
+    assert not list(tmp_path.rglob(RESULTS))

@@ -71,14 +71,21 @@ def test_wandb_offline_run_holds_the_logged_metrics(smoke, tmp_path):
     assert (run["run"]["group"], run["run"]["job_type"], run["run"]["name"]) == ("smoke", "train", "gru-none-s0")
 
 
-def test_sweep_runs_one_job_per_combination(tmp_path, smoke_root):
-    cmd = [sys.executable, str(ROOT / "src" / "run.py"), "-m", "experiment=smoke", "model.rnn=gru,lstm",
-           "model.bn=seqwise,none", f"data.root={smoke_root}", f"hydra.sweep.dir={tmp_path}"]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+def test_sweep_runs_one_job_per_combination_in_a_folder_named_by_its_settings(tmp_path, smoke_root):
+    run_py = [sys.executable, str(ROOT / "src" / "run.py"), "experiment=smoke", f"data.root={smoke_root}"]
+    run = subprocess.run([run_py[0], run_py[1], "-m", *run_py[2:], "model.rnn=gru,lstm", "model.bn=seqwise,none", f"hydra.sweep.dir={tmp_path}"],
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     folders = sorted(p.parent.name for p in tmp_path.rglob(RESULTS))
-    assert folders == ["model.bn=none,model.rnn=gru", "model.bn=none,model.rnn=lstm",
-                       "model.bn=seqwise,model.rnn=gru", "model.bn=seqwise,model.rnn=lstm"]
+    assert [f.split("-")[:2] for f in folders] == [["gru", "none"], ["gru", "seqwise"], ["lstm", "none"],
+                                                   ["lstm", "seqwise"]]
     for path in tmp_path.rglob(RESULTS):
         saved = json.loads(path.read_text())
         assert saved["status"] == "finished" and saved["preset"] == "smoke"
+    # The same run typed three other ways (an explicit default, no override, the default seed) is found
+    # and skipped: a run is its resolved settings, not its command line.
+    for typed in (["model.bn=none"], [], ["seed=0", "model.rnn=gru"]):
+        again = subprocess.run([*run_py, *typed, f"hydra.run.dir={tmp_path}"], capture_output=True, text=True,
+                               timeout=120)
+        assert again.returncode == 0 and "is finished; train.rerun=true runs it again" in again.stdout, again.stderr
+    assert sorted(p.parent.name for p in tmp_path.rglob(RESULTS)) == folders

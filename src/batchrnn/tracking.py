@@ -40,12 +40,6 @@ class Tracker:
     def log_step(self, step: int, metrics: dict) -> None:
         pass
 
-    def log_epoch(self, row: dict) -> None:
-        pass
-
-    def log_step(self, step: int, metrics: dict) -> None:
-        pass
-
     def summary(self, metrics: dict) -> None:
         pass
 
@@ -93,9 +87,6 @@ class WandbTracker(Tracker):
 
     def log_step(self, step: int, metrics: dict) -> None:
         self._safely("log_step", self.run.log, {STEP: step} | {f"{STEP}/{k}": v for k, v in metrics.items()})
-
-    def log_epoch(self, row: dict) -> None:
-        self.log(row, step=row["epoch"])
 
     def summary(self, metrics: dict) -> None:
         self._safely("summary", self.run.summary.update, metrics)

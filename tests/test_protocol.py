@@ -1,0 +1,89 @@
+"""The fair protocol: a run's identity, the learning-rate rule, and the two-stage study driver."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from batchrnn.config import to_container
+from batchrnn.protocol import ProtocolError, choose_lrs, mismatch, run_name, tuned_lr
+from batchrnn.rundir import RESULTS, read_study
+from conftest import ROOT
+
+
+@pytest.fixture
+def config(make_config):
+    def make(*overrides):
+        return to_container(make_config("experiment=smoke", *overrides))
+
+    return make
+
+
+def test_run_name_is_the_settings_not_the_typing(config):
+    base = run_name(config())
+    assert run_name(config("model.bn=none", "seed=0")) == base
+    # neutral settings: where data lives, the device, threads, logging, the study's bookkeeping
+    assert run_name(config("data.root=/elsewhere", "train.threads=2", "logger.mode=offline",
+                           "protocol.stage=tune", "study=other")) == base
+    others = {run_name(config(o)) for o in ("seed=1", "train.lr=1e-3", "model.hidden_size=16", "train.epochs=3",
+                                            "train.spec_augment.time_masks=2")}
+    assert len(others) == 5 and base not in others
+    assert run_name(config("train.lr=1e-3", "seed=2")).startswith("gru-none-L2-lr0.001-s2-")
+
+
+def test_a_setting_added_later_with_its_default_keeps_old_names_and_folders(config):
+    now = config()
+    older = json.loads(json.dumps(now))
+    del older["train"]["spec_augment"]  # as written by a version before the setting existed
+    assert run_name(older) == run_name(now) and mismatch(older, now) == []
+    assert mismatch(config("train.lr=1e-3"), now) == ["train.lr"]
+
+
+def result(lr, seed, val, status="finished", bn="none"):
+    return {"status": status, "best_val_wer": val,
+            "config": {"model": {"bn": bn}, "train": {"lr": lr}, "seed": seed}}
+
+
+def test_each_variant_gets_the_rate_with_the_lowest_mean_validation_wer():
+    runs = [result(1e-3, 1, 0.30), result(1e-3, 2, 0.34), result(2e-3, 1, 0.28), result(2e-3, 2, 0.40),
+            result(4e-3, 1, math.nan, "diverged"), result(4e-3, 2, 0.10, "diverged"),
+            result(1e-3, 1, 0.5, bn="seqwise"), result(2e-3, 1, 0.5, bn="seqwise"), result(4e-3, 1, 0.2, bn="seqwise"),
+            result(8e-3, 1, 0.01)]  # a rate outside the grid never wins
+    (none, seqwise) = choose_lrs(runs, [1e-3, 2e-3, 4e-3], [1, 2]).values()
+    assert none["lr"] == 1e-3 and none["by_lr"] == {1e-3: pytest.approx(0.32), 2e-3: pytest.approx(0.34),
+                                                    4e-3: math.inf}  # diverged: that rate lost
+    assert seqwise["lr"] is None and seqwise["missing"] == [(1e-3, 2), (2e-3, 2), (4e-3, 2)]
+    tie = choose_lrs([result(1e-3, 1, 0.3), result(2e-3, 1, 0.3)], [2e-3, 1e-3], [1])
+    assert [c["lr"] for c in tie.values()] == [1e-3]  # a tie goes to the smaller rate
+    running = choose_lrs([result(1e-3, 1, 0.3), result(2e-3, 1, 0.1, "running")], [1e-3, 2e-3], [1])
+    assert [c["lr"] for c in running.values()] == [None]
+
+
+def test_final_stage_without_its_tuning_runs_says_what_is_missing(config, tmp_path):
+    with pytest.raises(ProtocolError, match=r"tuning stage of gru-none \(L2\) is not complete: .*\(0\.001, 1\)"):
+        tuned_lr(tmp_path, config("protocol.lrs=[1e-3,2e-3]", "protocol.stage=final"))
+    with pytest.raises(ProtocolError, match="protocol.lrs is empty"):
+        tuned_lr(tmp_path, config("protocol.stage=final"))
+
+
+def test_study_tunes_each_variant_then_runs_its_seeds_at_the_chosen_rate(tmp_path, smoke_root):
+    cmd = [sys.executable, "-m", "batchrnn.study", "experiment=smoke", f"data.root={smoke_root}",
+           f"hydra.sweep.dir={tmp_path}", "model.bn=none,seqwise", "protocol.lrs=[1e-3,3e-3]", "protocol.seeds=[1,2]"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results, _ = read_study(tmp_path)
+    chosen = {c["lr"] for c in choose_lrs(results, [1e-3, 3e-3], [1]).values()}
+    # 2 variants x 2 rates at seed 1, then seed 2 at each chosen rate; seed 1's tuning run is reused
+    assert len(results) == 6 and all(r["status"] == "finished" for r in results)
+    finals = [r for r in results if r["seed"] == 2]
+    assert sorted(r["bn"] for r in finals) == ["none", "seqwise"]
+    assert {r["config"]["train"]["lr"] for r in finals} <= chosen
+    for r in finals:
+        tuning = [t for t in results if t["bn"] == r["bn"] and t["seed"] == 1]
+        assert r["config"]["train"]["lr"] == min(tuning, key=lambda t: (t["best_val_wer"], t["config"]["train"]["lr"]))[
+            "config"]["train"]["lr"]
+    assert (tmp_path / "report.md").exists() and len(list(tmp_path.rglob(RESULTS))) == 6
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)  # resumes: nothing to do
+    assert again.returncode == 0 and again.stdout.count("is finished") == 8  # 4 tuning jobs, 4 final jobs
+    assert "train loss" not in again.stdout

@@ -1,27 +1,23 @@
 #!/usr/bin/env bash
-# `make reproduce-an4`: prepare AN4, run the grid gru,lstm x none,post,input,skip,seqwise over SEEDS, then the
-# report (also logged to W&B). `make reproduce-depth` passes `depth`: DS2's Table 1 design, experiment=an4_depth.
+# `make reproduce-an4`: prepare AN4, then the study under the fair protocol (batchrnn.study): every variant
+# of gru,lstm x none,post,input,skip,seqwise tuned over the preset's learning rates on validation, trained
+# until validation stops improving, then SEEDS at its chosen rate; then the report (also logged to W&B).
+# `make reproduce-depth` passes `depth`: DS2's Table 1 design, experiment=an4_depth, under the same protocol.
 # Usage: experiments/reproduce_an4.sh [grid|depth] [extra Hydra overrides, e.g. hydra/launcher=parallel]
-# PRESET (an4_gpu with CUDA, else an4_cpu; the grid only) and SEEDS (comma-separated, default 1,2,3) can be
-# set in the environment.
+# PRESET (an4_gpu with CUDA, else an4_cpu; the grid only) and SEEDS (comma-separated, default the preset's
+# protocol.seeds, 1,2,3) can be set in the environment. Run it again to resume: finished runs are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
-SEEDS="${SEEDS:-1,2,3}"
 STUDY="${1:-grid}"
 shift || true
 if [ "$STUDY" = depth ]; then
-  SWEEP=runs/an4_depth
   GRID=(experiment=an4_depth)  # its sweep (1,3,5,7 layers x none,seqwise) is in conf/experiment/an4_depth.yaml
 else
   PRESET="${PRESET:-$($PY -c 'import torch; print("an4_gpu" if torch.cuda.is_available() else "an4_cpu")')}"
-  SWEEP="runs/$PRESET"
   GRID=("experiment=$PRESET" model.rnn=gru,lstm model.bn=none,post,input,skip,seqwise)
 fi
-echo "reproduce-an4: ${GRID[*]}, seeds $SEEDS, runs in $SWEEP"
+[ -n "${SEEDS:-}" ] && GRID+=("protocol.seeds=[$SEEDS]")
+echo "reproduce-an4: ${GRID[*]} $*"
 $PY -m batchrnn.data --root data  # fetch (or take $AN4_ARCHIVE), extract, verify, split: once, before any job
-status=0
-$PY src/run.py -m "${GRID[@]}" "seed=$SEEDS" "$@" || status=$?  # runs that failed: report the others anyway
-$PY -m batchrnn.report "$SWEEP" --wandb
-echo "reproduce-an4: report in $SWEEP/report.md"
-exit $status
+exec $PY -m batchrnn.study "${GRID[@]}" "$@" --wandb

@@ -89,3 +89,26 @@ def test_sweep_runs_one_job_per_combination_in_a_folder_named_by_its_settings(tm
                                timeout=120)
         assert again.returncode == 0 and "is finished; train.rerun=true runs it again" in again.stdout, again.stderr
     assert sorted(p.parent.name for p in tmp_path.rglob(RESULTS)) == folders
+
+
+def scripted_validation(monkeypatch, wers, losses):
+    """The trainer's validation scores replaced by the given sequence (the test score after it)."""
+    import batchrnn.train as train_module
+
+    rows = iter([{"loss": loss, "wer": wer, "cer": wer, "utterances": []} for wer, loss in zip(wers, losses)])
+    monkeypatch.setattr(train_module, "score", lambda *a, **k: next(rows, {"loss": 1.0, "wer": 0.5, "cer": 0.5,
+                                                                         "utterances": []}))
+
+
+def test_patience_counts_epochs_without_a_better_validation_wer_or_loss(smoke, tmp_path, monkeypatch):
+    # epochs 1-3 at blank output (100% WER) with a falling loss are progress; 4 is the best WER; 5-7 are not
+    scripted_validation(monkeypatch, [1.0, 1.0, 1.0, 0.9, 0.95, 0.95, 0.95, 0.1], [5, 4, 3, 3.5, 3.6, 3.7, 3.8, 0.1])
+    results = train(smoke("train.epochs=30", "train.patience=3"), tmp_path)
+    assert [e["epoch"] for e in results["epochs"]] == [1, 2, 3, 4, 5, 6, 7]
+    assert (results["stop"], results["best_epoch"], results["improving_at_cap"]) == ("patience", 4, False)
+
+
+def test_a_run_stopped_by_the_cap_while_improving_says_so(smoke, tmp_path, monkeypatch):
+    scripted_validation(monkeypatch, [1.0, 0.8, 0.7], [5, 4, 3])
+    results = train(smoke("train.epochs=3", "train.patience=5"), tmp_path)
+    assert (results["stop"], results["best_epoch"], results["improving_at_cap"]) == ("cap", 3, True)

@@ -144,7 +144,9 @@ class TrainConfig:
     threads: int = 0
     # A finished run (results.json with status finished) is skipped unless this is true.
     rerun: bool = False
-    # Stop early after this many epochs without a better validation WER (0: never).
+    # Stop after this many epochs in which neither validation WER nor validation loss improved (0: never):
+    # trained until validation stops improving. The loss counts because a network at blank output
+    # (100% WER) for its first epochs is still learning.
     patience: int = 0
     # A step with a non-finite loss or gradient is skipped; this many in a row means the run has
     # diverged (lr too high, broken features), and going on would only burn hours of compute.

@@ -39,7 +39,9 @@ class Progress:
     step: int = 0  # optimizer steps taken
     history: list[dict] = field(default_factory=list)  # one row per epoch, the per-epoch metrics
     best_val_wer: float = math.inf
-    best_epoch: int = 0
+    best_epoch: int = 0  # of the best validation WER: the checkpoint that is tested
+    best_val_loss: float = math.inf
+    improved_epoch: int = 0  # the last epoch that improved validation WER or loss: patience counts from it
     skipped_steps: int = 0
     skipped_in_a_row: int = 0  # across epochs: a run that diverges at an epoch's end is still diverged
 
@@ -146,7 +148,7 @@ def train(cfg: DictConfig, out_dir: Path, preset: str | None = None) -> dict:
     # "failed" when wandb could not start at all, which the log warned about: recorded beside the results
     summary = lambda status: results_of(cfg, preset, run, progress, status) | {"tracking": tracker.mode}  # noqa: E731
     try:
-        while progress.epoch < t.epochs and not (t.patience and progress.epoch - progress.best_epoch >= t.patience):
+        while progress.epoch < t.epochs and not (t.patience and progress.epoch - progress.improved_epoch >= t.patience):
             progress.epoch += 1
             reset_peak_memory(run.device)
             synchronize(run.device)
@@ -165,6 +167,11 @@ def train(cfg: DictConfig, out_dir: Path, preset: str | None = None) -> dict:
             if val["wer"] < progress.best_val_wer:
                 progress.best_val_wer, progress.best_epoch = val["wer"], progress.epoch
                 folder.save_best(run.model, config, epoch=progress.epoch, val_wer=val["wer"])
+            # Loss too: a network still at blank output (100% WER) for its first epochs is learning while
+            # its loss falls, and patience on WER alone would stop it before it ever emits a letter.
+            if progress.best_epoch == progress.epoch or val["loss"] < progress.best_val_loss:
+                progress.improved_epoch = progress.epoch
+            progress.best_val_loss = min(progress.best_val_loss, val["loss"])
             folder.save_checkpoint(run.model, run.opt, asdict(progress))
             folder.write_results(summary("running"))
             tracker.log_epoch(row)
@@ -248,13 +255,13 @@ def results_of(cfg: DictConfig, preset: str | None, run: Run, progress: Progress
     """results.json: the run's identity, its epochs, and the figures the report reads."""
     config, t = to_container(cfg), cfg.train
     times = [r["epoch_time_s"] for r in progress.history]
-    stale = progress.epoch - progress.best_epoch
+    stale = progress.epoch - progress.improved_epoch
     stop = "patience" if t.patience and stale >= t.patience else "cap" if progress.epoch >= t.epochs else None
     return {
         "status": status, "preset": preset, "config": config, "rnn": config["model"]["rnn"],
         "bn": config["model"]["bn"], "impl": config["model"]["impl"], "seed": cfg.seed, "study": cfg.study,
         "epochs": progress.history, "best_epoch": progress.best_epoch, "best_val_wer": progress.best_val_wer,
-        # "cap" with a best epoch inside the last patience window: still improving when the cap stopped it
+        # "cap" with an improvement inside the last patience window: still improving when the cap stopped it
         "stop": stop, "improving_at_cap": stop == "cap" and stale < max(t.patience, 1),
         "epoch_time_s": sum(times) / len(times) if times else None,
         "peak_mem_mb": max((r["peak_mem_mb"] for r in progress.history), default=None),

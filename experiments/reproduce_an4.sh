@@ -11,6 +11,7 @@ SEEDS="${SEEDS:-1,2,3}"
 STUDY="${1:-grid}"
 shift || true
 if [ "$STUDY" = depth ]; then
+  PRESET=an4_depth
   SWEEP=runs/an4_depth
   GRID=(experiment=an4_depth)  # its sweep (1,3,5,7 layers x none,seqwise) is in conf/experiment/an4_depth.yaml
 else
@@ -19,7 +20,8 @@ else
   GRID=("experiment=$PRESET" model.rnn=gru,lstm model.bn=none,post,input,skip,seqwise)
 fi
 echo "reproduce-an4: ${GRID[*]}, seeds $SEEDS, runs in $SWEEP"
-$PY -m batchrnn.data --root data  # fetch (or take $AN4_ARCHIVE), extract, verify, split: once, before any job
+# Fetch (or take $AN4_ARCHIVE), extract, verify, split and compute the preset's features: once, before any job.
+$PY -m batchrnn.data --preset "$PRESET" --root data --features
 status=0
 $PY src/run.py -m "${GRID[@]}" "seed=$SEEDS" "$@" || status=$?  # runs that failed: report the others anyway
 $PY -m batchrnn.report "$SWEEP" --wandb

@@ -91,8 +91,11 @@ def _fetch_one(source: str, dest_dir: Path) -> Path:
         raise DataError(f"{path}: a folder, not an archive; set data.archive to an4_sphere.tar.gz itself")
     if not path.is_file():
         raise DataError(f"{path}: archive not found; check data.archive")
-    if not os.access(path, os.R_OK):
-        raise DataError(f"{path}: archive not readable; fix its permissions")
+    try:  # opening tells, where os.access guesses (root, ACLs, network file systems)
+        with open(path, "rb"):
+            pass
+    except PermissionError as e:
+        raise DataError(f"{path}: archive not readable; fix its permissions") from e
     return path
 
 

@@ -32,8 +32,8 @@ reproduce-depth: $(STAMP) ## DS2 Table 1's design: 1,3,5,7 layers x none,seqwise
 report: $(STAMP) ## rebuild report.md and plots from a sweep folder: make report SWEEP=runs/an4_cpu [ARGS=--wandb]
 	$(PY) -m batchrnn.report $(SWEEP) $(ARGS)
 
-bench: $(STAMP) ## forward+backward time and memory of every variant against bn=none
-	$(PY) experiments/bench_rnn.py
+bench: $(STAMP) ## time and memory of every variant vs bn=none, about 3 minutes on 2 cores; ARGS=--quick: 10-20 s
+	$(PY) experiments/bench_rnn.py $(ARGS)
 
 clean: ## remove the virtual environment (keeps data/ and runs/)
 	rm -rf .venv

@@ -4,13 +4,18 @@ machine (other load, turbo, thermal) hits every variant alike.
 
     python experiments/bench_rnn.py                       # batch 16, 200 frames, 3 layers, hidden 256
     python experiments/bench_rnn.py --device cuda --hidden 1024 --layers 5
+    python experiments/bench_rnn.py --quick               # 10-20 s: checks the script, numbers mean little
+
+The defaults take about 3 minutes on 2 CPU cores; after its first round it prints its own estimate.
 
 Prints a table, then one JSON line per row: rnn, bn, impl, ms, peak_mb, time_ratio, mem_ratio.
 Memory: CUDA max allocated on a GPU; on the CPU the profiler's peak of live tensor bytes. Both count
 the parameters and the input plus everything the step allocates.
 """
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -25,6 +30,7 @@ from batchrnn.config import BNMode, Impl  # noqa: E402
 from batchrnn.model import build_recurrent_layer  # noqa: E402
 
 VARIANTS = [(bn, Impl.fused) for bn in BNMode] + [(BNMode.seqwise, Impl.cells)]
+QUICK = {"frames": 20, "hidden": 32, "layers": 2, "repeats": 2, "warmup": 1}  # --quick; flags given still win
 
 
 class Stack(nn.Module):
@@ -54,6 +60,22 @@ def static_bytes(model, x) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters()) + x.numel() * x.element_size()
 
 
+@contextlib.contextmanager
+def gpu_probe_silenced():
+    """The profiler (Kineto) probes for a GPU once per process and, on a CUDA build of torch with no
+    driver, logs `ERROR: ... gpuGetDeviceCount failed` straight to file descriptor 2: CUDA noise on a
+    CPU run. The profiled step is one the timed rounds already ran, so it has nothing new to say."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def peak_mb(model, x, lengths, device) -> float:
     model.zero_grad(set_to_none=True)
     if device.type == "cuda":
@@ -62,7 +84,9 @@ def peak_mb(model, x, lengths, device) -> float:
         step(model, x, lengths)
         sync(device)
         return torch.cuda.max_memory_allocated(device) / 2**20
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    # acc_events: keep the events past the profiler's exit, as read below (torch warns otherwise).
+    with gpu_probe_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True,
+                                       acc_events=True) as prof:
         step(model, x, lengths)
     live = peak = 0  # allocations sit on op events, frees on "[memory]" events, in time order
     for e in sorted(prof.events(), key=lambda e: e.time_range.start):
@@ -71,7 +95,7 @@ def peak_mb(model, x, lengths, device) -> float:
     return (static_bytes(model, x) + peak) / 2**20
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rnn", default="gru,lstm", help="comma-separated rnn types")
     p.add_argument("--batch", type=int, default=16)
@@ -85,7 +109,12 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: torch's default)")
     p.add_argument("--no-cells", action="store_true", help="skip the slow cell reference")
-    args = p.parse_args()
+    quick = ", ".join(f"--{k} {v}" for k, v in QUICK.items())
+    p.add_argument("--quick", action="store_true", help=f"a tiny run to check the script in seconds: {quick}")
+    args = p.parse_args(argv)
+    if args.quick:
+        p.set_defaults(**QUICK)
+        args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -96,10 +125,13 @@ def main() -> None:
         lengths = torch.linspace(args.frames // 2, args.frames, args.batch, device=device).long()
     variants = [v for v in VARIANTS if not (args.no_cells and v[1] is Impl.cells)]
     rows = []
-    for rnn in args.rnn.split(","):
+    rnns = args.rnn.split(",")
+    started = time.perf_counter()
+    for rnn in rnns:
         models = {v: Stack(rnn, *v, args).to(device).train() for v in variants}
         times = {v: [] for v in variants}
         for r in range(args.warmup + args.repeats):
+            round_started = time.perf_counter()
             for v, model in models.items():  # interleaved: each round times every variant once
                 model.zero_grad(set_to_none=True)
                 sync(device)
@@ -108,7 +140,14 @@ def main() -> None:
                 sync(device)
                 if r >= args.warmup:
                     times[v].append(time.perf_counter() - start)
-        mem = {v: peak_mb(m, x, lengths, device) for v, m in models.items()}
+            if r == 0:  # a step's peak is the same after one step as after many: measure it now, and
+                # the first rnn's round and memory pass tell how long the whole run takes
+                round_s = time.perf_counter() - round_started
+                mem = {v: peak_mb(m, x, lengths, device) for v, m in models.items()}
+                if rnn == rnns[0]:
+                    total = len(rnns) * (time.perf_counter() - started + (args.warmup + args.repeats - 1) * round_s)
+                    print(f"bench: {round_s:.1f} s a round, {args.warmup + args.repeats} rounds per rnn, "
+                          f"{len(rnns)} rnn types: about {total / 60:.1f} min in all", file=sys.stderr, flush=True)
         base = (BNMode.none, Impl.fused)
         for v in variants:
             ms = 1000 * statistics.median(times[v])

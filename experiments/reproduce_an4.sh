@@ -12,6 +12,7 @@ PY=.venv/bin/python
 STUDY="${1:-grid}"
 shift || true
 if [ "$STUDY" = depth ]; then
+  PRESET=an4_depth
   GRID=(experiment=an4_depth)  # its sweep (1,3,5,7 layers x none,seqwise) is in conf/experiment/an4_depth.yaml
 else
   PRESET="${PRESET:-$($PY -c 'import torch; print("an4_gpu" if torch.cuda.is_available() else "an4_cpu")')}"
@@ -19,5 +20,6 @@ else
 fi
 [ -n "${SEEDS:-}" ] && GRID+=("protocol.seeds=[$SEEDS]")
 echo "reproduce-an4: ${GRID[*]} $*"
-$PY -m batchrnn.data --root data  # fetch (or take $AN4_ARCHIVE), extract, verify, split: once, before any job
+# Fetch (or take $AN4_ARCHIVE), extract, verify, split and compute the preset's features: once, before any job.
+$PY -m batchrnn.data --preset "$PRESET" --root data --features
 exec $PY -m batchrnn.study "${GRID[@]}" "$@" --wandb

@@ -1,6 +1,10 @@
 """The corpus pipeline and features on small generated fixtures: no real archive, no network."""
 import io
 import json
+import os
+import re
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -8,12 +12,14 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
+from omegaconf import OmegaConf
 
-from batchrnn import data, features
+from batchrnn import data, features, prepare
 from batchrnn.config import DataConfig
 from batchrnn.data import DataError, Utterance, extract_archive, parse_transcripts, prepare_corpus, read_audio
 from batchrnn.features import FeatureSet, Featurizer, collate, load_features, make_batches
 from batchrnn.text import encode
+from conftest import ROOT
 
 
 @pytest.fixture(scope="session")
@@ -215,3 +221,27 @@ def test_collate_shapes_and_padding():
     assert x_lens.tolist() == [3, 7] and y_lens.tolist() == [3, 4] and y.dtype == torch.int64
     assert y.tolist() == encode("YES") + encode("GO A")
     assert x[0, :, 3:].abs().sum() == 0 and x[0, :, :3].eq(1).all() and x[1].eq(1).all()
+
+
+# -- the command line (python -m batchrnn.data) ----------------------------------
+
+def test_cli_builds_the_features_a_run_of_the_preset_reads(tmp_path, capsys, make_config):
+    prepare.main(["--preset", "smoke", "--root", str(tmp_path), "--features"])
+    built = json.loads(capsys.readouterr().out)["features"]
+    cfg = OmegaConf.to_object(make_config("experiment=smoke", f"data.root={tmp_path}").data)  # as run.py has it
+    corpus = prepare_corpus(cfg)
+    assert built["files"] == {split: str(features.cache_path(corpus, split, cfg)) for split in corpus.splits}
+    assert all(Path(f).is_file() for f in built["files"].values())
+    assert built["settings"] == f"{cfg.n_mels} mel bands, 20 ms window, 10 ms hop (the smoke preset)"
+
+
+def test_cli_help_names_each_preset_features_and_errors_end_in_one_line(tmp_path, make_config):
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "batchrnn.data", *args], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+
+    n_mels = make_config("experiment=an4_cpu").data.n_mels
+    assert re.search(rf"\n  an4_cpu +{n_mels} mel bands, ", cli("--help").stdout)
+    run = cli("--archive", str(tmp_path / "nowhere.tar.gz"), "--root", str(tmp_path / "root"))
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr == f"error: {tmp_path / 'nowhere.tar.gz'}: archive not found; check data.archive\n"

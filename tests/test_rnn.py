@@ -1,10 +1,11 @@
 """Every recurrent variant: shapes, gradients, padding invariance, and seqwise's exactness."""
 import pytest
 import torch
+from torch import nn
 
 from batchrnn.config import BNMode, Impl, RNNType
 from batchrnn.model import build_recurrent_layer
-from batchrnn.rnn import GATES, LAYERS, Gram, cheaper_route, projected_moments
+from batchrnn.rnn import GATES, LAYERS, Gram, MaskedBatchNorm, cheaper_route, projected_moments
 
 T, N, D, H = 9, 3, 5, 4
 LENGTHS = torch.tensor([9, 5, 2])
@@ -175,3 +176,29 @@ def test_seqwise_fused_matches_cells_on_the_direct_route(rnn):
     torch.testing.assert_close(ys[0], ys[1], rtol=1e-10, atol=1e-12)
     for a, b in zip(*(torch.autograd.grad(y.sum(), [x, *m.parameters()]) for y, m in zip(ys, (cells, fused)))):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+# -- MaskedBatchNorm: BatchNorm1d's state and rule, its own type ------------------
+
+@pytest.mark.parametrize("momentum", [0.1, None])  # None: the cumulative average
+def test_masked_batchnorm_is_batchnorm1d_on_unpadded_input(momentum):
+    torch.manual_seed(0)
+    ours, torchs = MaskedBatchNorm(D, momentum=momentum).double(), nn.BatchNorm1d(D, momentum=momentum).double()
+    with torch.no_grad():
+        ours.weight.uniform_(0.5, 2)
+        ours.bias.uniform_(-1, 1)
+    torchs.load_state_dict(ours.state_dict())  # same names, both ways
+    assert list(ours.state_dict()) == list(torchs.state_dict())
+    every_frame = torch.ones(T, N, 1, dtype=torch.float64)
+    for training in (True, True, True, False):
+        ours.train(training), torchs.train(training)
+        x = torch.randn(T, N, D, dtype=torch.float64) * 3 + 1  # (T, N, D); BatchNorm1d takes (N, D, T)
+        torch.testing.assert_close(ours(x, every_frame), torchs(x.permute(1, 2, 0)).permute(2, 0, 1))
+    for name, value in torchs.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[name], value, msg=name)
+    assert ours.num_batches_tracked == 3
+
+
+def test_sync_batchnorm_conversion_leaves_masked_batchnorm_alone():
+    m = nn.SyncBatchNorm.convert_sync_batchnorm(layer("gru", "post"))  # it would drop the mask
+    assert type(m.bn) is MaskedBatchNorm

@@ -3,6 +3,7 @@
 Each dataclass is registered in Hydra's ConfigStore so YAML files extend it and a misspelt key or a
 wrongly typed value fails at composition. `validate` adds the checks a type cannot express, each in one place.
 """
+import typing
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -187,9 +188,19 @@ class Config:
     seed: int = 0
 
 
+def allowed_values(key: str) -> str:
+    """'model.rnn' -> 'gru|lstm|rnn': the values of an enum setting, read off the schema."""
+    node = Config
+    for name in key.split("."):
+        node = typing.get_type_hints(node)[name]
+    return "|".join(member.value for member in node)
+
+
 def register_configs() -> None:
     # conf/config.yaml lists this first, so every group's YAML is checked against the dataclasses.
     ConfigStore.instance().store(name="config_schema", node=Config)
+    # `src/run.py --help` (conf/hydra/help/batchrnn.yaml) lists each enum's values from the schema.
+    OmegaConf.register_new_resolver("batchrnn.allowed", allowed_values, replace=True)
 
 
 class ConfigError(ValueError):

@@ -8,7 +8,7 @@ from pathlib import Path
 import wandb_workspaces.reports.v2 as wr
 import wandb_workspaces.workspaces as ws
 
-from batchrnn.data import one_line
+from batchrnn.errors import one_line
 
 BN, SEED = "model.bn", "seed"  # the study's question, and the key that repeats a variant
 

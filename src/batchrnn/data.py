@@ -3,14 +3,12 @@
 `prepare_corpus` does all of it idempotently; `python -m batchrnn.data` runs it from the shell.
 `make_synthetic_archive` writes a tiny AN4-shaped archive that goes through the very same pipeline.
 """
-import argparse
 import hashlib
 import http.client
 import json
 import os
 import random
 import re
-import sys
 import tarfile
 import tempfile
 import time
@@ -28,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from batchrnn.config import CorpusName, DataConfig
+from batchrnn.errors import one_line
 from batchrnn.storage import write_json
 from batchrnn.text import TranscriptError, normalize
 
@@ -46,11 +45,6 @@ RETRY_WAIT_S = 1.0  # a broken download is retried after 1, 2, 4 ... times this
 
 class DataError(RuntimeError):
     """A corpus problem the user can fix; the message names the file and the fix."""
-
-
-def one_line(e: BaseException) -> str:
-    """The first line of an exception's message: torch and tarfile write paragraphs, our errors are one line."""
-    return (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(":")
 
 
 @dataclass(frozen=True)
@@ -97,8 +91,11 @@ def _fetch_one(source: str, dest_dir: Path) -> Path:
         raise DataError(f"{path}: a folder, not an archive; set data.archive to an4_sphere.tar.gz itself")
     if not path.is_file():
         raise DataError(f"{path}: archive not found; check data.archive")
-    if not os.access(path, os.R_OK):
-        raise DataError(f"{path}: archive not readable; fix its permissions")
+    try:  # opening tells, where os.access guesses (root, ACLs, network file systems)
+        with open(path, "rb"):
+            pass
+    except PermissionError as e:
+        raise DataError(f"{path}: archive not readable; fix its permissions") from e
     return path
 
 
@@ -461,40 +458,8 @@ def make_synthetic_archive(
 
 # -----------------------------------------------------------------------------
 
-def main(argv: list[str] | None = None) -> None:
-    defaults = DataConfig()
-    p = argparse.ArgumentParser(prog="python -m batchrnn.data", description=__doc__.splitlines()[0])
-    p.add_argument("--archive", default=os.environ.get("AN4_ARCHIVE", defaults.archive),
-                   help="local path, file:// or http(s) URL (default: $AN4_ARCHIVE, else CMU's URL)")
-    p.add_argument("--mirror", action="append", default=[], help="fallback URL, may repeat")
-    p.add_argument("--root", default=defaults.root, help="folder for the corpus, splits and features")
-    p.add_argument("--corpus", default=defaults.corpus, choices=["an4", "synthetic"])
-    p.add_argument("--val-fraction", type=float, default=defaults.val_fraction)
-    p.add_argument("--split-seed", type=int, default=defaults.split_seed)
-    p.add_argument("--features", action="store_true", help="also build the feature cache (default settings)")
-    args = p.parse_args(argv)
-    cfg = DataConfig(archive=args.archive, mirrors=args.mirror, root=args.root, corpus=args.corpus,
-                     val_fraction=args.val_fraction, split_seed=args.split_seed)
-    try:
-        t0 = time.perf_counter()
-        corpus = prepare_corpus(cfg)
-        summary = {**corpus.summary, "seconds": {"prepare": round(time.perf_counter() - t0, 1)}}
-        if args.features:
-            from batchrnn.features import load_features  # features imports this module
-
-            t0 = time.perf_counter()
-            summary["frames"] = {}
-            for split in corpus.splits:
-                lengths = sorted(load_features(corpus, split, cfg).lengths)
-                summary["frames"][split] = {"min": lengths[0], "median": lengths[len(lengths) // 2],
-                                            "max": lengths[-1]}
-            summary["seconds"]["features"] = round(time.perf_counter() - t0, 1)
-    except DataError as e:
-        sys.exit(f"error: {e}")
-    for key in ("skipped_ids", "normalized_ids"):  # the counts say enough on the terminal
-        summary.pop(key)
-    print(json.dumps(summary, indent=2))
-
-
 if __name__ == "__main__":
+    # The command line also builds features, and features.py imports this module: it lives apart.
+    from batchrnn.prepare import main
+
     main()

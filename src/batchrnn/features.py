@@ -14,7 +14,8 @@ import torchaudio
 from tqdm import tqdm
 
 from batchrnn.config import DataConfig
-from batchrnn.data import SAMPLE_RATE, Corpus, one_line, read_audio
+from batchrnn.data import SAMPLE_RATE, Corpus, read_audio
+from batchrnn.errors import one_line
 from batchrnn.storage import atomic_write
 from batchrnn.text import encode
 

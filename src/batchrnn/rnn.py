@@ -87,11 +87,26 @@ def projected_moments(x: torch.Tensor, w: torch.Tensor, count, route: str) -> tu
     return mean, z.square().sum(0) / count
 
 
-class MaskedBatchNorm(nn.BatchNorm1d):
+class MaskedBatchNorm(nn.Module):
     """Sequence-wise BatchNorm whose statistics count valid frames only (never padding).
 
-    Same parameters, buffers and running-average rule as nn.BatchNorm1d, so checkpoints are plain.
+    Not an nn.BatchNorm1d, whose forward takes no mask: code that finds BatchNorm modules by type
+    (nn.SyncBatchNorm.convert_sync_batchnorm, fusers) must leave this one alone. It holds BatchNorm1d's
+    parameters and buffers under the same names and follows its running-average rule (momentum=None:
+    the cumulative average), so state dicts move between the two.
     """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1):
+        super().__init__()
+        self.num_features, self.eps, self.momentum = num_features, eps, momentum
+        self.weight = nn.Parameter(torch.ones(num_features))
+        self.bias = nn.Parameter(torch.zeros(num_features))
+        self.register_buffer("running_mean", torch.zeros(num_features))
+        self.register_buffer("running_var", torch.ones(num_features))
+        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+
+    def extra_repr(self) -> str:
+        return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}"
 
     def fold(self, mean: torch.Tensor | None, var: torch.Tensor | None, count) -> tuple[torch.Tensor, torch.Tensor]:
         """Scale and shift that apply this BN: batch moments in training (updating the running
@@ -99,9 +114,12 @@ class MaskedBatchNorm(nn.BatchNorm1d):
         if self.training:
             with torch.no_grad():
                 self.num_batches_tracked += 1
+                # A tensor, not a float, so reading the count never waits for the GPU.
+                factor = (self.momentum if self.momentum is not None
+                          else self.num_batches_tracked.reciprocal().to(self.running_mean.dtype))
                 unbiased = var.detach() * count / (count - 1).clamp_min(1)
-                self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), self.momentum)
-                self.running_var.lerp_(unbiased.to(self.running_var.dtype), self.momentum)
+                self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), factor)
+                self.running_var.lerp_(unbiased.to(self.running_var.dtype), factor)
         else:
             mean, var = self.running_mean, self.running_var
         scale = self.weight * torch.rsqrt(var + self.eps)

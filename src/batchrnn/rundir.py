@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from batchrnn.data import one_line
+from batchrnn.errors import one_line
 from batchrnn.protocol import mismatch
 from batchrnn.storage import atomic_write, write_json
 

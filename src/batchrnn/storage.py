@@ -1,4 +1,5 @@
-"""Atomic file writes: a reader sees the old file or the whole new one, and a crash loses neither."""
+"""Atomic, durable file writes: a reader sees the old file or the whole new one, and neither a crash
+nor a power loss leaves less."""
 import json
 import os
 from pathlib import Path
@@ -6,14 +7,28 @@ from typing import Callable
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """write(tmp) into a sibling temporary file, then rename it over path (atomic on POSIX)."""
+    """write(tmp) into a sibling temporary file, then rename it over path (atomic on POSIX).
+
+    The file is synced before the rename, or after a power loss the new name could point at blocks
+    never written; the folder after it, or the rename itself could be lost."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         write(tmp)
+        fsync(tmp)
         os.replace(tmp, path)
+        fsync(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def fsync(path: Path) -> None:
+    """Flush a file's or a folder's contents to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_json(path: Path, obj) -> None:

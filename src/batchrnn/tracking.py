@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 
 from batchrnn.config import LoggerConfig, LoggerMode
-from batchrnn.data import one_line
+from batchrnn.errors import one_line
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,18 @@
+"""experiments/bench_rnn.py: a CPU run gives every row and says nothing about CUDA."""
+import importlib.util
+import json
+
+from conftest import ROOT
+
+spec = importlib.util.spec_from_file_location("bench_rnn", ROOT / "experiments" / "bench_rnn.py")
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+
+
+def test_quick_cpu_run_gives_every_row_and_no_cuda_noise(capfd):
+    bench.main(["--quick", "--rnn", "gru", "--device", "cpu"])
+    out, err = capfd.readouterr()
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [(r["bn"], r["impl"]) for r in rows] == [(bn.value, impl.value) for bn, impl in bench.VARIANTS]
+    assert all(r["ms"] > 0 and r["peak_mb"] > 0 for r in rows)
+    assert err.startswith("bench: ") and err.count("\n") == 1, err  # its time estimate, nothing else

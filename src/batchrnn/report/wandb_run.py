@@ -28,8 +28,9 @@ def log_report(report: dict, out_dir: Path, logger: LoggerConfig) -> str:
     for plot in report["plots"]:
         tracker.log_image(f"report/{plot.removesuffix('.png')}", Path(out_dir) / plot)
     tracker.summary({k: report[k] for k in ("finished", "running", "stopped", "diverged", "significance", "splits")})
-    # The study's saved W&B dashboard belongs here, once the table is logged, online only:
-    # if tracker.mode == "online": save_dashboard(summary)
+    # The study's saved W&B dashboard (wandb-workspaces) belongs here, once the tables are logged, online
+    # only: `if tracker.mode == "online": save_dashboard(report)`, where `report` is the summary as
+    # report.json holds it (study, protocol, rows, comparisons, tuning, plots) and `logger` names the project.
     tracker.finish()
     where = Path(out_dir) / "wandb-report" / "wandb"
     print({"online": "W&B: report logged online",

@@ -84,5 +84,8 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
-    sys.argv[1:] = with_device_preset(sys.argv[1:])
+    given, sys.argv[1:] = sys.argv[1:], with_device_preset(sys.argv[1:])
+    if sys.argv[1:] != given:
+        print(f"no experiment= given: {sys.argv[-1]}, the preset for this machine (experiment=null: the bare "
+              "schema defaults, deepspeech.pytorch's AN4 settings)", file=sys.stderr)
     main()

@@ -1,32 +1,63 @@
-"""The study report on a fake sweep: 2 rnn x 3 bn x 2 seeds with known WERs, times and memory."""
+"""The study report on generated results: known WERs, times, memory and validation curves, so every number
+the report prints can be checked by hand."""
+import copy
 import json
+import logging
+import os
+import time
 
 import matplotlib.image
 import pytest
+from omegaconf import OmegaConf
 
-from batchrnn import report
+from batchrnn.config import Config
+from batchrnn.report import write_report
+from batchrnn.report.__main__ import main
+from batchrnn.report.plots import DEPTH_PLOT, PLOTS
+from batchrnn.report.stats import first_reach, holm, paired_bootstrap, utterance_errors
 
 UTTERANCES = 100  # five words each, so one wrong word is 0.2% of the test set's words
 # (rnn, bn) -> word errors per seed; seqwise is clearly better than none, post is as good as none.
 ERRORS = {"none": (30, 20), "post": (30, 20), "seqwise": (5, 5)}
 EPOCH_TIME = {"none": (9.5, 10.5), "post": (11.0, 11.0), "seqwise": (11.5, 12.5)}  # means 10, 11, 12
 PEAK_MEM = {"none": (800.0, 800.0), "post": (900.0, 900.0), "seqwise": (1000.0, 1000.0)}
+SCHEMA = OmegaConf.to_container(OmegaConf.structured(Config), resolve=True, enum_to_str=True)
+
+
+def result(config: dict, wrong: set, val_wers: list[float], time_s: float = 10.0, mem: float = 800.0,
+           status: str = "finished", improving_at_cap: bool = False) -> dict:
+    """A results.json as the trainer writes it: the utterances in `wrong` have one word wrong."""
+    m = config["model"]
+    utts = [{"id": f"u{i}", "ref": "YES NO GO STOP ONE", "hyp": ("X" if i in wrong else "YES") + " NO GO STOP ONE"}
+            for i in range(UTTERANCES)]
+    wer = len(wrong) / (5 * UTTERANCES)
+    epochs = [{"epoch": e, "train_loss": 3 / e, "val_loss": 3 / e, "val_wer": v, "val_cer": v / 2,
+               "epoch_time_s": time_s,
+               "peak_mem_mb": mem, "utt_per_s": 20.0, "lr": 1e-3, "grad_norm_mean": 5.0 / e, "grad_norm_max": 20.0 / e}
+              for e, v in enumerate(val_wers, 1)]
+    out = {"status": status, "config": config, "rnn": m["rnn"], "bn": m["bn"], "impl": m.get("impl", "fused"),
+           "seed": config["seed"], "study": "fake", "preset": "an4_cpu", "epochs": epochs,
+           "best_epoch": 1 + val_wers.index(min(val_wers)), "best_val_wer": min(val_wers),
+           "stop": "cap" if status == "finished" else None, "improving_at_cap": improving_at_cap,
+           "epoch_time_s": time_s, "peak_mem_mb": mem, "params": 1_234_567, "device": "cpu", "torch_version": "2.11.0"}
+    if status == "finished":
+        out |= {"test_wer": wer, "test_cer": wer / 2, "test_utterances": utts}
+    return out
 
 
 def fake_result(rnn: str, bn: str, seed: int) -> dict:
-    errors, time_s, mem = ERRORS[bn][seed], EPOCH_TIME[bn][seed], PEAK_MEM[bn][seed]
-    # post errs on other utterances than none: the same WER, but not paired utterance by utterance.
+    """The 2 rnn x 3 bn x 2 seeds sweep's run: post errs on other utterances than none (the same WER,
+    not paired utterance by utterance)."""
+    errors = ERRORS[bn][seed]
     wrong = set(range(UTTERANCES - errors, UTTERANCES)) if bn == "post" else set(range(errors))
-    utts = [{"id": f"u{i}", "ref": "YES NO GO STOP ONE", "hyp": ("X" if i in wrong else "YES") + " NO GO STOP ONE"}
-            for i in range(UTTERANCES)]
     wer = errors / (5 * UTTERANCES)
-    epochs = [{"epoch": e, "train_loss": 3 / e, "val_loss": 3 / e, "val_wer": wer + 0.1 / e, "val_cer": wer / 2,
-               "epoch_time_s": time_s, "peak_mem_mb": mem, "utt_per_s": 20.0, "lr": 1e-3} for e in (1, 2, 3)]
-    return {"status": "finished", "config": {"model": {"rnn": rnn, "bn": bn, "impl": "fused"}, "seed": seed},
-            "rnn": rnn, "bn": bn, "impl": "fused", "seed": seed, "study": "fake", "preset": "an4_cpu",
-            "epochs": epochs, "best_epoch": 3, "best_val_wer": wer + 0.1 / 3, "test_wer": wer, "test_cer": wer / 2,
-            "epoch_time_s": time_s, "peak_mem_mb": mem, "params": 1_234_567, "device": "cpu",
-            "torch_version": "2.11.0", "test_utterances": utts}
+    config = {"model": {"rnn": rnn, "bn": bn, "impl": "fused"}, "seed": seed}
+    return result(config, wrong, [wer + 0.1 / e for e in (1, 2, 3)], EPOCH_TIME[bn][seed], PEAK_MEM[bn][seed])
+
+
+def write(root, name: str, results: dict) -> None:
+    (root / name).mkdir(parents=True)
+    (root / name / "results.json").write_text(json.dumps(results))
 
 
 @pytest.fixture
@@ -35,16 +66,14 @@ def sweep(tmp_path):
     for rnn in ("gru", "lstm"):
         for bn in ERRORS:
             for seed in (0, 1):
-                run = root / f"{rnn}-{bn}" / f"seed{seed}"  # nested: the report searches recursively
-                run.mkdir(parents=True)
-                (run / "results.json").write_text(json.dumps(fake_result(rnn, bn, seed)))
-    running = {k: v for k, v in fake_result("gru", "none", 0).items() if not k.startswith("test_")}
-    running.update(status="running", seed=2, epochs=running["epochs"][:2])
-    (root / "gru-none" / "seed2").mkdir()
-    (root / "gru-none" / "seed2" / "results.json").write_text(json.dumps(running))
-    (root / "lstm-none" / "seed3").mkdir()  # stopped by TrainingDiverged
-    diverged = running | {"status": "diverged", "seed": 3, "rnn": "lstm", "error": "the run has diverged"}
-    (root / "lstm-none" / "seed3" / "results.json").write_text(json.dumps(diverged))
+                write(root, f"{rnn}-{bn}/seed{seed}", fake_result(rnn, bn, seed))  # nested: the search is recursive
+    running = fake_result("gru", "none", 0) | {"status": "running"}
+    running["config"] = running["config"] | {"seed": 2}
+    running["epochs"] = running["epochs"][:2]
+    write(root, "gru-none/seed2", running)
+    diverged = fake_result("lstm", "none", 0) | {"status": "diverged", "error": "the run has diverged"}
+    diverged["config"] = diverged["config"] | {"seed": 3}
+    write(root, "lstm-none/seed3", diverged)
     (root / "broken").mkdir()
     (root / "broken" / "results.json").write_text('{"status": "finis')
     return root
@@ -55,17 +84,23 @@ def table_rows(text: str) -> list[list[str]]:
     return [[c.strip() for c in line.strip("|").split("|")] for line in lines]
 
 
-def test_report(sweep, tmp_path):
-    with pytest.warns(UserWarning, match=r"skipping .*broken.*results\.json"):
-        path = report.write_report(sweep, tmp_path / "out")
+def section(text: str, title: str) -> str:
+    return text.split(f"## {title}\n")[1].split("\n## ")[0]
+
+
+def test_report(sweep, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        path = write_report(sweep, tmp_path / "out")
+    assert any("broken" in r.getMessage() and "skipping" in r.getMessage() for r in caplog.records)
     text = path.read_text()
     assert path == tmp_path / "out" / "report.md"
 
     assert "Study report: fake" in text and "an4_cpu" in text and "torch 2.11.0" in text
     assert "CPU-sized preset" in text
     assert "12 finished, 1 still running, 1 diverged" in text and "1 unreadable" in text
+    assert "Protocol" not in text  # a plain sweep: every row is in the results table
 
-    rows = table_rows(text)
+    rows = table_rows(section(text, "Quality at convergence"))
     assert [r[:4] for r in rows] == [[rnn, bn, "fused", "2"] for rnn in ("gru", "lstm") for bn in ERRORS]
     gru_none, gru_post, gru_seqwise = rows[:3]
     assert gru_none[4] == "5.0 ± 1.4"  # (6% + 4%) / 2, sample std 1.41
@@ -77,67 +112,75 @@ def test_report(sweep, tmp_path):
     assert gru_none[12] == "(baseline)"
     assert gru_seqwise[12].startswith("-4.0 [") and gru_seqwise[12].endswith("*")
     assert not gru_post[12].endswith("*")
-    assert "Significant at 95%" in text and "gru-seqwise (-4.0 points, better)" in text
+
+    # Head to head: each placement vs none, and seqwise vs post, per rnn: 3 x 2 comparisons, one family.
+    pairs = [(r[0], r[1]) for r in table_rows(section(text, "Head to head"))]
+    assert pairs == [(rnn, p) for rnn in ("gru", "lstm")
+                     for p in ("post vs none", "seqwise vs none", "post vs seqwise")]
+    assert "Holm–Bonferroni over the 6 comparisons" in text
+    assert "gru: seqwise vs none (-4.0 points, seqwise better)" in text
 
     data = json.loads((tmp_path / "out" / "report.json").read_text())
     assert data["finished"] == 12 and data["running"] == 1 and data["diverged"] == 1 and len(data["skipped"]) == 1
     by_label = {r["label"]: r for r in data["rows"]}
     seqwise = by_label["lstm-seqwise"]
-    assert seqwise["significant"] and seqwise["dwer_hi"] < 0 < -seqwise["dwer_lo"]
+    assert seqwise["significant"] and seqwise["dwer_hi"] < 0 < -seqwise["dwer_lo"] and seqwise["p_holm"] < 0.05
     assert not by_label["lstm-post"]["significant"]
     assert by_label["lstm-post"]["dwer_lo"] < 0 < by_label["lstm-post"]["dwer_hi"]
     assert by_label["gru-none"]["time_ratio"] == pytest.approx(1.0)
     assert by_label["gru-seqwise"]["time_ratio"] == pytest.approx(1.2)
+    assert by_label["gru-none"]["seeds"] == [0, 1]  # the running seed 2 is not in the verdict
 
-    for name in report.PLOTS:
+    for name in PLOTS:
         png = tmp_path / "out" / name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert matplotlib.image.imread(png).shape[0] > 100  # decodes as an image
         assert f"]({name})" in text  # embedded with a relative link
 
 
-def run_with_errors(bn: str, seed: int, wrong: int) -> dict:
-    """A fake run whose first `wrong` utterances have one word wrong."""
-    result = fake_result("gru", "none", 0) | {"bn": bn, "seed": seed}
-    result["test_utterances"] = [dict(u, hyp=("X" if i < wrong else "YES") + " NO GO STOP ONE")
-                                 for i, u in enumerate(result["test_utterances"])]
-    return result
+def errors_with(wrong: int) -> dict:
+    """A seed's per-utterance errors: the first `wrong` utterances have one word wrong."""
+    return utterance_errors(result({"model": {"rnn": "gru", "bn": "none"}, "seed": 0}, set(range(wrong)), [0.5]))
 
 
 def test_one_failed_seed_is_not_a_significant_difference():
     """Three seeds of none and of post, all alike but post's third, which failed to train: pooling the seeds
     per utterance makes post 20 points worse on nearly every utterance, but two seeds in three say the
     placements are the same, so the seed level of the bootstrap must keep 0 in the interval."""
-    none = [run_with_errors("none", seed, 10) for seed in (1, 2, 3)]
-    post = [run_with_errors("post", seed, 10) for seed in (1, 2)] + [run_with_errors("post", 3, 100)]
-    dwer, lo, hi = report.paired_bootstrap(post, none)
-    assert dwer == pytest.approx(30 / 500)  # (10 + 10 + 100) / 3 - 10 word errors, of 500 words
-    assert lo <= 0 < hi
-    # The same difference made by every seed is significant.
-    consistent = [run_with_errors("post", seed, 40) for seed in (1, 2, 3)]
-    dwer, lo, hi = report.paired_bootstrap(consistent, none)
-    assert dwer == pytest.approx(30 / 500) and 0 < lo < dwer < hi
+    none = [errors_with(10)] * 3
+    post = [errors_with(10), errors_with(10), errors_with(100)]
+    d = paired_bootstrap(post, none)
+    assert d.dwer == pytest.approx(30 / 500)  # (10 + 10 + 100) / 3 - 10 word errors, of 500 words
+    assert d.lo <= 0 < d.hi and d.p > 0.05
+    # The same difference made by every seed is significant, and its p-value is as small as the resamples allow.
+    d = paired_bootstrap([errors_with(40)] * 3, none)
+    assert d.dwer == pytest.approx(30 / 500) and 0 < d.lo < d.dwer < d.hi and d.p < 0.001
+
+
+def test_holm_on_a_hand_worked_example():
+    # sorted 0.01, 0.03, 0.04 times 3, 2, 1: 0.03, 0.06, 0.04 -> kept monotone: 0.03, 0.06, 0.06
+    assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])  # capped at 1
+    assert holm([]) == []
 
 
 def test_single_seed_has_no_std_and_cli_defaults_out_to_sweep(tmp_path, capsys):
-    run = tmp_path / "sweep" / "one"
-    run.mkdir(parents=True)
-    result = fake_result("gru", "none", 0)
-    del result["test_utterances"]
-    (run / "results.json").write_text(json.dumps(result))
-    report.main([str(tmp_path / "sweep")])
+    one = fake_result("gru", "none", 0)
+    del one["test_utterances"]
+    write(tmp_path / "sweep", "one", one)
+    main([str(tmp_path / "sweep")])
     assert "wrote" in capsys.readouterr().out
-    rows = table_rows((tmp_path / "sweep" / "report.md").read_text())
-    assert rows[0][3:5] == ["1", "**6.0**"]
-    assert "No paired comparison" in (tmp_path / "sweep" / "report.md").read_text()
+    text = (tmp_path / "sweep" / "report.md").read_text()
+    assert table_rows(section(text, "Quality at convergence"))[0][3:5] == ["1", "**6.0**"]
+    assert "No paired comparison" in text
 
 
 def test_missing_sweep_is_one_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="no such folder"):
-        report.main([str(tmp_path / "nope")])
+        main([str(tmp_path / "nope")])
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="no readable results.json"):
-        report.main([str(tmp_path / "empty")])
+        main([str(tmp_path / "empty")])
 
 
 @pytest.fixture
@@ -148,44 +191,175 @@ def depth_sweep(tmp_path):
     for layers in (1, 3):
         for bn in ("none", "seqwise"):
             for seed in (0, 1):
-                result = fake_result("gru", "post" if (layers, bn) == (1, "seqwise") else bn, seed)
-                result["bn"] = result["config"]["model"]["bn"] = bn
-                result["config"]["model"]["num_layers"] = layers  # results files keep the depth in config only
-                run = root / f"model.bn={bn},model.num_layers={layers},seed={seed}"
-                run.mkdir(parents=True)
-                (run / "results.json").write_text(json.dumps(result))
+                r = fake_result("gru", "post" if (layers, bn) == (1, "seqwise") else bn, seed)
+                r["config"]["model"] |= {"bn": bn, "num_layers": layers}  # results keep the depth in config only
+                write(root, f"model.bn={bn},model.num_layers={layers},seed={seed}", r)
     return root
 
 
 def test_depth_sweep_compares_within_each_depth(depth_sweep, tmp_path):
-    text = report.write_report(depth_sweep, tmp_path / "out").read_text()
-    rows = table_rows(text.split("## BN's effect by depth")[0])
+    text = write_report(depth_sweep, tmp_path / "out").read_text()
+    rows = table_rows(section(text, "Quality at convergence"))
     assert [r[:5] for r in rows] == [["gru", str(layers), bn, "fused", "2"] for layers in (1, 3)
                                      for bn in ("none", "seqwise")]
     assert rows[0][-1] == rows[2][-1] == "(baseline)"  # each depth has its own none
     assert not rows[1][-1].endswith("*") and rows[3][-1].startswith("-4.0 [") and rows[3][-1].endswith("*")
     assert rows[0][5] == rows[1][5] == "**5.0 ± 1.4**"  # bold per depth: a tie at depth 1
-    assert "gru-seqwise-L3 (-4.0 points, better)" in text and "not significant: 1 of 2" in text
+    assert "gru-L3: seqwise vs none (-4.0 points, seqwise better)" in text and "not significant: 1 of 2" in text
 
-    effect = table_rows(text.split("## BN's effect by depth")[1].split("## Plots")[0])
-    assert "| rnn | bn | impl | depth 1 | depth 3 |" in text
-    assert effect[0][:3] == ["gru", "seqwise", "fused"] and effect[0][4].endswith("*")
-    assert not effect[0][3].endswith("*")
+    effect = table_rows(section(text, "BN's effect by depth"))
+    assert "| variant | depth 1 | depth 3 |" in text
+    assert effect[0][0] == "gru-seqwise" and effect[0][2].endswith("*") and not effect[0][1].endswith("*")
 
     data = json.loads((tmp_path / "out" / "report.json").read_text())
     assert [(r["label"], r["num_layers"]) for r in data["rows"]] == [
         ("gru-none-L1", 1), ("gru-seqwise-L1", 1), ("gru-none-L3", 3), ("gru-seqwise-L3", 3)]
-    for name in report.PLOTS + (report.DEPTH_PLOT,):
+    for name in PLOTS + (DEPTH_PLOT,):
         assert matplotlib.image.imread(tmp_path / "out" / name).shape[0] > 100
         assert f"]({name})" in text
+
+
+def config(bn: str, seed: int, lr: float, protocol: dict | None = None, **model) -> dict:
+    """A resolved config as results.json holds it: the schema's defaults with these settings."""
+    c = copy.deepcopy(SCHEMA)
+    c["model"] |= {"bn": bn, **model}
+    c["train"]["lr"], c["seed"], c["study"] = lr, seed, "fake"
+    c["protocol"] |= protocol or {}
+    return c
+
+
+def test_rows_at_other_settings_are_never_pooled(tmp_path, caplog):
+    """What a runs/smoke folder holds after a few ad-hoc commands: gru-none at two rates, two seeds each,
+    one of them trained twice (two folders), and a wider model: each setting its own, labelled, row."""
+    root = tmp_path / "smoke"
+    for lr in (1e-3, 3e-3):
+        for seed in (1, 2):
+            write(root, f"lr{lr}-s{seed}", result(config("none", seed, lr), set(range(10 * seed)), [0.9, 0.5]))
+    write(root, "again", result(config("none", 1, 1e-3), set(range(10)), [0.9, 0.5]))  # the same run, typed otherwise
+    write(root, "wide", result(config("none", 1, 1e-3, hidden_size=64), set(), [0.9, 0.4]))
+    with caplog.at_level(logging.WARNING):
+        text = write_report(root).read_text()
+    assert any("the same settings and seed" in r.getMessage() for r in caplog.records)
+    assert "Left out, the same settings and seed as another folder" in text
+
+    data = json.loads((root / "report.json").read_text())
+    assert [(r["label"], r["n"], r["seeds"]) for r in data["rows"]] == [
+        ("gru-none lr=0.001 hidden_size=64", 1, [1]), ("gru-none lr=0.001 hidden_size=256", 2, [1, 2]),
+        ("gru-none lr=0.003 hidden_size=256", 2, [1, 2])]
+    assert all(len(set(r["seeds"])) == len(r["seeds"]) for r in data["rows"])
+    assert data["comparisons"] == []  # no two placements share all their other settings
+    assert "| rnn | bn | impl | lr | hidden_size | n |" in section(text, "Quality at convergence")
+
+
+def protocol_study(root, capped: str | None = None) -> None:
+    """gru x none, input, seqwise tuned over lr 1e-3 and 3e-3 with seed 1, then seeds 1 and 2 at the chosen
+    rate: none chooses 1e-3, input and seqwise 3e-3. At 3e-3 seqwise errs on 5 utterances a seed, input
+    on 15; none on 25 at 1e-3. `capped`: that placement's seed-2 run reached the cap still improving."""
+    p = {"lrs": [1e-3, 3e-3], "tune_seeds": [1], "seeds": [1, 2]}
+    best = {("none", 1e-3): 0.30, ("none", 3e-3): 0.40, ("input", 1e-3): 0.35, ("input", 3e-3): 0.25,
+            ("seqwise", 1e-3): 0.30, ("seqwise", 3e-3): 0.20}
+    chosen = {"none": 1e-3, "input": 3e-3, "seqwise": 3e-3}
+    errors = {"none": 25, "input": 15, "seqwise": 5}
+    for (bn, lr), val in best.items():
+        for seed in [1] + [2] * (lr == chosen[bn]):
+            wrong = set(range(errors[bn])) if lr == chosen[bn] else set(range(UTTERANCES))  # the other rate: awful
+            stage = "tune" if seed == 1 else "final"
+            write(root, f"{bn}-{lr}-{seed}", result(config(bn, seed, lr, p | {"stage": stage}), wrong,
+                                                    [0.9, val + 0.1, val], improving_at_cap=(bn, seed) == (capped, 2)))
+
+
+def test_protocol_tuning_table_and_verdict_at_the_chosen_rate(tmp_path):
+    protocol_study(tmp_path)
+    text = write_report(tmp_path).read_text()
+    assert "Grid (`protocol.lrs`): 0.001, 0.003; tuning seeds (`protocol.tune_seeds`): 1" in text
+    tuning = table_rows(section(text, "Protocol: each variant's learning rate, chosen on validation"))
+    assert tuning == [["gru-none", "**30.0 ✓**", "40.0"], ["gru-input", "35.0", "**25.0 ✓**"],
+                      ["gru-seqwise", "30.0", "**20.0 ✓**"]]
+
+    data = json.loads((tmp_path / "report.json").read_text())
+    # Only the chosen rate's runs: the tuning run at the other rate (every utterance wrong) is in no row.
+    assert [(r["bn"], r["lr"], r["seeds"], r["test_wer"]) for r in data["rows"]] == [
+        ("none", 1e-3, [1, 2], 0.05), ("input", 3e-3, [1, 2], 0.03), ("seqwise", 3e-3, [1, 2], 0.01)]
+    assert [t["lr"] for t in data["tuning"]] == [1e-3, 3e-3, 3e-3]
+
+    # Head to head: input and seqwise vs none, and exact DS2 against deepspeech.pytorch's input directly.
+    pairs = {(c["a_name"], c["b_name"]): c for c in data["comparisons"]}
+    assert list(pairs) == [("input", "none"), ("seqwise", "none"),
+                           ("input", "seqwise")]
+    head = pairs["input", "seqwise"]
+    assert head["dwer"] == pytest.approx(0.02) and head["significant"]
+    assert all(c["p"] <= c["p_holm"] <= min(1.0, 3 * c["p"]) for c in data["comparisons"])
+    assert "gru: input vs seqwise (+2.0 points, seqwise better)" in text
+    assert "Holm–Bonferroni over the 3 comparisons" in data["significance"]
+
+
+def test_a_variant_still_tuning_is_in_no_verdict(tmp_path):
+    protocol_study(tmp_path)
+    p = {"lrs": [1e-3, 3e-3], "tune_seeds": [1], "seeds": [1, 2], "stage": "tune"}
+    write(tmp_path, "post-done", result(config("post", 1, 1e-3, p), set(), [0.9, 0.1]))
+    write(tmp_path, "post-running", result(config("post", 1, 3e-3, p), set(), [0.9], status="running"))
+    write(tmp_path, "off-grid", result(config("none", 1, 1e-2, p), set(), [0.9, 0.1]))  # a run typed by hand
+    text = write_report(tmp_path).read_text()
+    tuning = table_rows(section(text, "Protocol: each variant's learning rate, chosen on validation"))
+    assert ["gru-post", "10.0", "…"] in tuning
+    assert "Still tuning, so in no verdict yet" in text
+    assert "gru-post (missing or unfinished lr, seed: 0.003, 1)" in text
+    assert "At a rate outside the grid, in no table: gru-none lr=0.01." in text
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert [(r["bn"], r["lr"]) for r in data["rows"]] == [("none", 1e-3), ("input", 3e-3), ("seqwise", 3e-3)]
+
+
+def test_a_run_still_improving_at_the_cap_is_marked(tmp_path):
+    protocol_study(tmp_path, capped="input")
+    text = write_report(tmp_path).read_text()
+    rows = {r[1]: r for r in table_rows(section(text, "Quality at convergence"))}
+    assert rows["input"][4] == "2 †1" and rows["seqwise"][4] == "2"
+    notes = {r[1]: r[-1] for r in table_rows(section(text, "Head to head"))}
+    assert notes["input vs none"] == "† still improving at the cap (input: 1 of 2)"
+    assert notes["input vs seqwise"].startswith("†")
+    assert notes["seqwise vs none"] == ""
+    assert "seqwise better) †" in text  # beside the significant comparison too
+
+
+def test_speed_of_convergence_on_hand_made_curves(tmp_path):
+    assert first_reach([{"epoch": 1, "val_wer": 0.9, "epoch_time_s": 10.0}, {"epoch": 2, "val_wer": 0.4,
+                        "epoch_time_s": 12.0}, {"epoch": 3, "val_wer": 0.3, "epoch_time_s": 11.0}], 0.4) == (2, 22.0)
+    assert first_reach([{"epoch": 1, "val_wer": 0.9, "epoch_time_s": 10.0}], 0.4) is None
+    # none: best 0.5 and 0.3 (mean 0.4), seqwise: best 0.2 and 0.2. Threshold: 0.4, the higher mean.
+    curves = {("none", 1): [1.0, 0.8, 0.6, 0.5], ("none", 2): [1.0, 0.6, 0.3],
+              ("seqwise", 1): [0.6, 0.4, 0.2], ("seqwise", 2): [0.7, 0.3, 0.2]}
+    for (bn, seed), val in curves.items():
+        time_s = 2.0 if bn == "none" else 3.0
+        write(tmp_path, f"{bn}{seed}", result(config(bn, seed, 1e-3), set(range(5)), val, time_s=time_s))
+    text = write_report(tmp_path).read_text()
+    rows = {r[1]: r for r in table_rows(section(text, "Speed of convergence"))}
+    # none: seed 1 never reaches 0.4, seed 2 at epoch 3 (6 s); seqwise at epochs 2 and 2 (6 s each)
+    assert rows["none"][3:8] == ["40.0", "1 of 2", "3.0", "6.0", "3.5 ± 0.7"]
+    assert rows["seqwise"][3:8] == ["40.0", "2 of 2", "2.0 ± 0.0", "6.0 ± 0.0", "3.0 ± 0.0"]
+    data = json.loads((tmp_path / "report.json").read_text())
+    (c,) = data["comparisons"]
+    assert c["speed_winner"] == "gru-seqwise" and not c["significant"]  # the same test errors: a tie in quality
+
+
+def test_a_stale_running_run_is_reported_as_stopped(tmp_path):
+    base = fake_result("gru", "none", 0)
+    write(tmp_path, "live", base | {"status": "running"})
+    write(tmp_path, "stopped", base | {"status": "running", "config": base["config"] | {"seed": 1}})
+    hour_ago = time.time() - 3600
+    for path in (tmp_path / "stopped").iterdir():
+        os.utime(path, (hour_ago, hour_ago))
+    text = write_report(tmp_path).read_text()
+    assert "0 finished, 1 still running, 1 stopped (resume with the same command)" in text
+    assert f"Stopped (nothing written for a while, so no process owns them): {tmp_path / 'stopped'}" in text
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert (data["running"], data["stopped"], data["stopped_runs"]) == (1, 1, [str(tmp_path / "stopped")])
 
 
 @pytest.mark.usefixtures("wandb_env")  # no key: auto goes offline
 def test_report_is_logged_to_wandb_as_a_report_run(sweep, tmp_path, capsys):
     from wandb_offline import read_offline_run
 
-    with pytest.warns(UserWarning, match="broken"):
-        report.main([str(sweep), "--out", str(tmp_path / "out"), "--wandb"])
+    main([str(sweep), "--out", str(tmp_path / "out"), "--wandb"])
     assert "W&B: report logged offline, upload with `wandb sync" in capsys.readouterr().out
 
     run = read_offline_run(tmp_path / "out" / "wandb-report")
@@ -193,6 +367,11 @@ def test_report_is_logged_to_wandb_as_a_report_run(sweep, tmp_path, capsys):
     assert run["config"]["study"] == "fake"
     logged = {k: v for step in run["history"] for k, v in step.items() if k.startswith("report/")}
     assert logged["report/table"]["_type"] == "table-file" and logged["report/table"]["nrows"] == 6
+    files = tmp_path / "out" / "wandb-report" / "wandb"
+    (table,) = files.glob(f"offline-run-*/files/{logged['report/table']['path']}")
+    columns = set(json.loads(table.read_text())["columns"])
+    assert {"label", "n", "dwer", "dwer_lo", "dwer_hi", "p_holm", "significant"} <= columns  # every row's keys
+    assert logged["report/head_to_head"]["nrows"] == 6 and "report/tuning" not in logged  # no protocol
     assert {k for k, v in logged.items() if v.get("_type") == "image-file"} == {
-        f"report/{name.removesuffix('.png')}" for name in report.PLOTS}
-    assert run["summary"]["finished"] == 12 and run["summary"]["significance"].startswith("Significant at 95%")
+        f"report/{name.removesuffix('.png')}" for name in PLOTS}
+    assert run["summary"]["finished"] == 12 and run["summary"]["significance"].startswith("Significant at")

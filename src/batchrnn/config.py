@@ -304,11 +304,6 @@ def with_device_preset(argv: list[str]) -> list[str]:
     """No experiment= on the command line: the preset that learns AN4 on the machine at hand."""
     if any(a.split("=")[0].lstrip("+~") == "experiment" for a in argv) or {"-h", "--help", "--hydra-help"} & set(argv):
         return argv
-    import sys
-
     import torch
 
-    preset = "an4_gpu" if torch.cuda.is_available() else "an4_cpu"
-    print(f"no experiment= given, using experiment={preset} ({'CUDA found' if preset == 'an4_gpu' else 'no CUDA'});"
-          " experiment=null for the bare schema defaults (deepspeech.pytorch's AN4 settings)", file=sys.stderr)
-    return argv + [f"experiment={preset}"]
+    return argv + [f"experiment={'an4_gpu' if torch.cuda.is_available() else 'an4_cpu'}"]

@@ -1,0 +1,30 @@
+"""The study report: one summary of a sweep's results (batchrnn.report.summary), read by the tables of
+report.md and report.json (render), the plots (plots) and the W&B report run (wandb_run).
+
+    python -m batchrnn.report SWEEP_DIR [--out DIR] [--wandb]
+"""
+from pathlib import Path
+
+from batchrnn.config import LoggerMode
+from batchrnn.report import plots, render
+from batchrnn.report.summary import build
+
+
+def write_report(sweep_dir: Path, out_dir: Path | None = None, wandb: LoggerMode | None = None) -> Path:
+    """Writes report.md, report.json and the PNGs for the results.json files under sweep_dir (default
+    out_dir: sweep_dir) and, with a wandb mode, logs them to W&B too; returns the path of report.md."""
+    import json
+
+    summary = build(sweep_dir)
+    out_dir = Path(out_dir) if out_dir else Path(sweep_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    drawn = plots.draw(summary, out_dir)
+    path = out_dir / "report.md"
+    path.write_text(render.markdown(summary, drawn))
+    report = render.as_json(summary, drawn)
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    if wandb is not None:
+        from batchrnn.report.wandb_run import log_report, logger_of
+
+        log_report(report, out_dir, logger_of(summary.logger, wandb))
+    return path

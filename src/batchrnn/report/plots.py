@@ -1,0 +1,186 @@
+"""The report's plots, drawn from the summary: validation WER and gradient norm by epoch, test WER
+against epoch time, peak memory, and test WER by depth when the study varies it.
+"""
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from batchrnn.config import Impl
+from batchrnn.report.summary import BN_ORDER, RNN_ORDER, Summary
+
+PLOTS = ("val_wer.png", "wer_vs_time.png", "peak_mem.png", "grad_norm.png")
+DEPTH_PLOT = "wer_vs_depth.png"  # only when the study varies model.num_layers
+
+
+def draw(summary: Summary, out_dir: Path) -> list[str]:
+    """Writes the plots that the summary has data for into out_dir; returns their file names."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers and in CI
+    drawn = []
+    if per_epoch(summary.curves, "val_wer", out_dir / "val_wer.png", summary.depth):
+        drawn.append("val_wer.png")
+    if summary.rows:
+        wer_vs_time(summary.rows, out_dir / "wer_vs_time.png")
+        peak_mem(summary.rows, out_dir / "peak_mem.png")
+        drawn += ["wer_vs_time.png", "peak_mem.png"]
+    if per_epoch(summary.curves, "grad_norm", out_dir / "grad_norm.png", summary.depth):
+        drawn.append("grad_norm.png")
+    if summary.depth and summary.rows:
+        wer_vs_depth(summary.rows, out_dir / DEPTH_PLOT)
+        drawn.append(DEPTH_PLOT)
+    return drawn
+
+
+def colors() -> dict[str, str]:
+    """One colour per BN placement, the same in every plot."""
+    return {bn: f"C{i}" for i, bn in enumerate(BN_ORDER)}
+
+
+def style(row: dict) -> dict:
+    return dict(color=colors().get(row["bn"]), linestyle="-" if row["impl"] == Impl.fused.value else "--")
+
+
+def save(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def panels(rows: list[dict], depth: bool):
+    """A figure with a panel per group of rows (rnn and its other settings): side by side, or, when the
+    study varies the depth, a row of panels per rnn and a column per depth. Returns (fig, axes, {group: ax})."""
+    import matplotlib.pyplot as plt
+
+    families = sorted({r["family"] for r in rows}, key=lambda f: min(r["_sort"] for r in rows if r["family"] == f))
+    depths = sorted({r["num_layers"] or 0 for r in rows}) if depth else [None]
+    shape = (len(families), len(depths)) if depth else (1, len(families))
+    fig, axes = plt.subplots(*shape, figsize=(max(7, 5 * shape[1]), 4 * shape[0]), squeeze=False, sharey=True)
+    where = {}
+    for row in rows:
+        ax = axes[families.index(row["family"]), depths.index(row["num_layers"] or 0)] if depth \
+            else axes[0, families.index(row["family"])]
+        layers = row["num_layers"]
+        title = f"{row['family']}, {layers} layer{'s' * (layers != 1)}" if depth else row["group"]
+        where[row["group"]] = ax
+        ax.set_title(title)
+    return fig, axes, where
+
+
+def per_epoch(rows: list[dict], metric: str, path: Path, depth: bool) -> bool:
+    """Validation WER (metric "val_wer") or the pre-clip gradient norm ("grad_norm": the mean step solid,
+    the largest dotted, log scale) by epoch, a line per row over its seeds. False when no run has the metric."""
+    from matplotlib.ticker import MaxNLocator
+
+    key = "val_wer" if metric == "val_wer" else "grad_norm_mean"
+    rows = [r for r in rows if any(e.get(key) is not None for run in r["_runs"] for e in run["epochs"])]
+    if not rows:
+        return False
+    fig, axes, where = panels(rows, depth)
+    for row in rows:
+        ax, line = where[row["group"]], style(row)
+        if metric == "val_wer":
+            # Mean over the seeds that reached each epoch (a running run has fewer), band: min-max.
+            epochs, values = series(row, "val_wer", 100)
+            ax.plot(epochs, [np.mean(v) for v in values], label=row["name"], **line)
+            if len(row["_runs"]) > 1:
+                ax.fill_between(epochs, [min(v) for v in values], [max(v) for v in values], alpha=0.15,
+                                color=line["color"], linewidth=0)
+        else:
+            epochs, means = series(row, "grad_norm_mean")
+            ax.plot(epochs, [np.mean(v) for v in means], label=row["name"], **line)
+            epochs, peaks = series(row, "grad_norm_max")
+            ax.plot(epochs, [max(v) for v in peaks], color=line["color"], linestyle=":", linewidth=1)
+            ax.set_yscale("log")
+    for ax in axes.flat:
+        ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("validation WER %" if metric == "val_wer" else "pre-clip gradient norm")
+    fig.suptitle("Validation WER per epoch (mean over seeds, band: min-max)" if metric == "val_wer" else
+                 "Pre-clip gradient norm per epoch (solid: mean step, over seeds; dotted: largest step)", fontsize=11)
+    save(fig, path)
+    return True
+
+
+def series(row: dict, key: str, scale: float = 1.0) -> tuple[list[int], list[list[float]]]:
+    """(epochs, the values of each epoch over the row's runs) for one per-epoch metric."""
+    by_epoch = defaultdict(list)
+    for run in row["_runs"]:
+        for e in run["epochs"]:
+            if e.get(key) is not None and e.get("epoch") is not None:
+                by_epoch[e["epoch"]].append(scale * e[key])
+    epochs = sorted(by_epoch)
+    return epochs, [by_epoch[e] for e in epochs]
+
+
+def wer_vs_time(rows: list[dict], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    markers = dict(zip(RNN_ORDER, "osD"))
+    for row in rows:
+        x, y, color = row["epoch_time_s"], 100 * row["test_wer"], colors().get(row["bn"])
+        # Marker shape: rnn; colour: BN placement; hollow: the cells implementation.
+        xerr, yerr = np.nan_to_num(row["epoch_time_s_std"]), np.nan_to_num(100 * row["test_wer_std"])
+        ax.errorbar(x, y, xerr=xerr, yerr=yerr, marker=markers.get(row["rnn"], "^"), color=color, capsize=2,
+                    elinewidth=0.8, markerfacecolor=color if row["impl"] == Impl.fused.value else "none")
+        ax.annotate(row["label"], (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    times = [r["epoch_time_s"] for r in rows if r["epoch_time_s"] > 0]
+    if times and max(times) > 5 * min(times):  # the cells reference is tens of times slower than fused
+        ax.set_xscale("log")
+    ax.margins(x=0.15)  # room for the labels of the rightmost points
+    ax.set(xlabel="epoch time s", ylabel="test WER %", title="Test WER against epoch time (mean ± std)")
+    ax.grid(alpha=0.3)
+    save(fig, path)
+
+
+def peak_mem(rows: list[dict], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    # Bars grouped as the rows are (rnn, depth, ...) with a gap between groups, coloured by placement.
+    x, positions, group = 0, [], None
+    for row in rows:
+        x += 1 if row["group"] == group or group is None else 2
+        group = row["group"]
+        positions.append(x)
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * x + 2), 4.5))
+    ax.bar(positions, [r["peak_mem_mb"] for r in rows], color=[colors().get(r["bn"]) for r in rows],
+           yerr=[np.nan_to_num(r["peak_mem_mb_std"]) for r in rows], capsize=3)
+    ax.set_xticks(positions, [r["label"] for r in rows], rotation=45, ha="right", fontsize=8)
+    ax.set(ylabel="peak memory MB", title="Peak memory per variant (mean over seeds)")
+    ax.grid(alpha=0.3, axis="y")
+    save(fig, path)
+
+
+def wer_vs_depth(rows: list[dict], path: Path) -> None:
+    """DS2 Table 1 as a plot: test WER against the number of recurrent layers, one line per placement."""
+    import matplotlib.pyplot as plt
+
+    families = list(dict.fromkeys(r["family"] for r in rows))  # rows come sorted
+    fig, axes = plt.subplots(1, len(families), figsize=(max(6, 5 * len(families)), 4), squeeze=False, sharey=True)
+    for ax, family in zip(axes[0], families):
+        lines = defaultdict(list)
+        for row in rows:
+            if row["family"] == family:
+                lines[row["depth_free"]].append(row)
+        for points in lines.values():
+            x, y = [p["num_layers"] for p in points], [100 * p["test_wer"] for p in points]
+            ax.errorbar(x, y, yerr=[np.nan_to_num(100 * p["test_wer_std"]) for p in points], marker="o",
+                        capsize=3, label=points[0]["placement"], **style(points[0]))
+            for p, xi, yi in zip(points, x, y):
+                if p["significant"]:
+                    ax.annotate("*", (xi, yi), xytext=(4, 4), textcoords="offset points")
+        ax.set(title=family, xlabel="recurrent layers")
+        ax.set_xticks(sorted({r["num_layers"] for r in rows}))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("test WER %")
+    fig.suptitle("Test WER by depth (mean ± std over seeds; * differs from none, Holm-adjusted)")
+    save(fig, path)

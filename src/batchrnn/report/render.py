@@ -1,0 +1,267 @@
+"""The summary as report.md and report.json: what each table shows is read from the summary, never
+computed here beyond formatting.
+"""
+import math
+
+from batchrnn.config import Impl
+from batchrnn.report.stats import ALPHA, RESAMPLES
+from batchrnn.report.summary import DEPTH, NONE, Summary, short, value
+
+FAMILY_WISE = f"a family-wise {ALPHA:.0%} level, Holm–Bonferroni"
+
+HOW_TO_READ = f"""\
+Each row is one setting: every setting that can change a result except the seed (rnn, BN placement,
+implementation, and whatever else differs between the rows, named in the row's label and columns:
+depth, learning rate, sizes). Values are the mean ± sample std over its n finished seeds (no ± for a
+single seed); a row never holds a seed twice. Test WER is that of the epoch with the best validation
+WER; the best test WER of each group (an rnn with its depth and other settings) is in bold. †k after n:
+k of the n runs reached the epoch cap while validation WER was still improving, so they may not have
+converged; comparisons involving them say so. Time and memory ratios divide by the `none` row of the
+same group: measured in this sweep on one machine, they rank the variants' costs but do not transfer to
+other hardware (peak memory is CUDA max allocated on a GPU, process peak RSS on the CPU).
+
+ΔWER is the first variant minus the second in WER points (each test utterance's word errors averaged
+over seeds), with a 95% interval from a two-level bootstrap ({RESAMPLES:,} resamples): each draws both
+variants' seeds with replacement, then the test utterances, the same ones for both; so the interval
+holds seed-to-seed variation as well as the test set's (with one seed, only the latter). p is two-sided,
+from the same resamples: twice the share of resamples on the far side of 0, (k + 1) / (B + 1), the
+smallest level at which the percentile interval would exclude 0. Every comparison of the report is one
+family: p is adjusted by Holm–Bonferroni's step-down method, and a difference is significant (*) when
+the adjusted p is below {ALPHA}. The intervals are not adjusted.
+"""
+
+
+def markdown(summary: Summary, plots: list[str]) -> str:
+    lines = header(summary) + ["", "## How to read", "", HOW_TO_READ]
+    if summary.protocol:
+        lines += protocol(summary)
+    lines += ["## Quality at convergence", ""]
+    if summary.rows:
+        lines += results_table(summary)
+        lines += ["", "## Head to head", ""] + head_to_head(summary)
+        lines += ["", "## Speed of convergence", ""] + speed(summary)
+    else:
+        lines.append("No finished runs yet" + (" at a chosen rate." if summary.protocol else "."))
+    if summary.depth and summary.rows:
+        lines += ["", "## BN's effect by depth", "", "ΔWER vs `none` at the same depth, in WER points with its 95% "
+                  "interval (* significant, Holm-adjusted): DS2's Table 1 design, which reported BN helping more "
+                  "the deeper the network.", ""] + depth_effect(summary)
+    lines += ["", "## Plots", ""] + [f"![{p.removesuffix('.png')}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def header(summary: Summary) -> list[str]:
+    c = summary.counts
+    runs = (f"{c['finished']} finished, {c['running']} still running"
+            + (f", {c['stopped']} stopped (resume with the same command)" if c["stopped"] else "")
+            + (f", {c['diverged']} diverged (the `error` in its results.json says where)" if c["diverged"] else "")
+            + " (unfinished runs: in the per-epoch plots only)"
+            + (f", {len(summary.unreadable)} unreadable and skipped" if summary.unreadable else ""))
+    lines = [f"# Study report: {summary.study}", "", f"- Preset: {summary.preset}",
+             f"- Device: {summary.devices}; torch {summary.torch}", f"- Runs: {runs}"]
+    if summary.stopped:
+        lines.append(f"- Stopped (nothing written for a while, so no process owns them): {', '.join(summary.stopped)}")
+    if summary.duplicates:
+        lines.append(f"- Left out, the same settings and seed as another folder: {', '.join(summary.duplicates)}")
+    if "cpu" in summary.devices.split(", "):
+        lines.append("- The CPU-sized preset was used: a small model and few epochs, so absolute WERs are "
+                     "far above full-size DS2 numbers; compare variants with each other, not with the "
+                     "literature.")
+    return lines
+
+
+def protocol(summary: Summary) -> list[str]:
+    p = summary.protocol
+    lines = ["## Protocol: each variant's learning rate, chosen on validation", "",
+             f"- Grid (`protocol.lrs`): {', '.join(f'{lr:g}' for lr in p['lrs'])}; tuning seeds "
+             f"(`protocol.tune_seeds`): {', '.join(map(str, p['tune_seeds']))}; seeds of the verdict "
+             f"(`protocol.seeds`): {', '.join(map(str, p['seeds']))}.",
+             "- Rule: each variant (every setting but the seed and the rate) keeps the rate of the grid with the "
+             "lowest best validation WER, averaged over the tuning seeds (ties: the smaller rate; a diverged run "
+             "loses its rate); test WER plays no part. The tables below hold each variant's runs at its chosen "
+             "rate only; the tuning run at that rate is also that seed's run of the verdict.", "",
+             "Best validation WER % by learning rate (mean over the tuning seeds; ✓ chosen, … not finished):", "",
+             "| variant | " + " | ".join(f"lr {lr:g}" for lr in p["lrs"]) + " |", "|---|" + "---:|" * len(p["lrs"])]
+    for t in summary.tuning:
+        cells = []
+        for lr in p["lrs"]:
+            wer = t["by_lr"][f"{lr:g}"]
+            cell = "…" if wer is None else "diverged" if math.isinf(wer) else f"{100 * wer:.1f}"
+            cells.append(f"**{cell} ✓**" if lr == t["lr"] else cell)
+        lines.append(f"| {t['label']} | " + " | ".join(cells) + " |")
+    pending = [t for t in summary.tuning if t["lr"] is None]
+    if pending:
+        lines += ["", "Still tuning, so in no verdict yet (their runs are in the per-epoch plots): " + "; ".join(
+            f"{t['label']} (missing or unfinished lr, seed: {', '.join(f'{lr:g}, {s}' for lr, s in t['missing'])})"
+            for t in pending) + "."]
+    if summary.off_grid:
+        lines += ["", f"At a rate outside the grid, in no table: {', '.join(summary.off_grid)}."]
+    return lines + [""]
+
+
+def identity_head(summary: Summary) -> list[str]:
+    """The columns that name a row: rnn, layers, bn, impl, and the other settings that vary."""
+    return (["rnn"] + ["layers"] * summary.depth + ["bn", "impl"]
+            + [short(k, summary.columns) for k in summary.columns if k != DEPTH])
+
+
+def identity(summary: Summary, row: dict) -> list[str]:
+    return ([row["rnn"]] + [str(row["num_layers"])] * summary.depth + [row["bn"], row["impl"]]
+            + [value(row["settings"][k]) for k in summary.columns if k != DEPTH])
+
+
+def fmt(row: dict, name: str, scale: float = 1.0, digits: int = 1) -> str:
+    """row[name] as "mean ± std" (the std from row[name + "_std"] when there is one), "–" when missing."""
+    mean, std = row.get(name), row.get(f"{name}_std", math.nan)
+    if mean is None or math.isnan(mean):
+        return "–"
+    s = f"{scale * mean:,.{digits}f}"
+    return s if std is None or math.isnan(std) else f"{s} ± {scale * std:,.{digits}f}"
+
+
+def interval(c: dict) -> str:
+    """ΔWER [95% CI] in points, * when significant after Holm."""
+    s = f"{100 * c['dwer']:+.1f} [{100 * c['dwer_lo']:+.1f}, {100 * c['dwer_hi']:+.1f}]"
+    return f"{s} *" if c["significant"] else s
+
+
+def vs_none(row: dict) -> str:
+    if row["bn"] == NONE and row["impl"] == Impl.fused.value:
+        return "(baseline)"
+    return "–" if math.isnan(row["dwer"]) else interval(row)
+
+
+def results_table(summary: Summary) -> list[str]:
+    head = identity_head(summary)
+    columns = head + ["n", "test WER %", "test CER %", "best val WER %", "epoch time s", "peak mem MB",
+                      "time × none", "mem × none", "params", "ΔWER vs none [95% CI]"]
+    best = {}  # the best test WER of each group, in bold: placements are compared within a group
+    for row in summary.rows:
+        if not math.isnan(row["test_wer"]) and row["test_wer"] < best.get(row["group"], math.inf):
+            best[row["group"]] = row["test_wer"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(head) + "---:|" * (len(columns) - len(head))]
+    for row in summary.rows:
+        wer = fmt(row, "test_wer", 100)
+        cells = identity(summary, row) + [
+            f"{row['n']}" + (f" †{row['capped']}" if row["capped"] else ""),
+            f"**{wer}**" if row["test_wer"] == best.get(row["group"]) else wer, fmt(row, "test_cer", 100),
+            fmt(row, "best_val_wer", 100), fmt(row, "epoch_time_s"), fmt(row, "peak_mem_mb", digits=0),
+            fmt(row, "time_ratio", digits=2), fmt(row, "mem_ratio", digits=2), fmt(row, "params", digits=0),
+            vs_none(row)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def capped_note(c: dict) -> str:
+    """† and which side's runs reached the cap still improving, or ""."""
+    parts = [f"{name}: {c['capped'][label]} of {c['n'][label]}" for name, label in ((c["a_name"], c["a"]),
+                                                                                    (c["b_name"], c["b"]))
+             if c["capped"][label]]
+    return f"† still improving at the cap ({'; '.join(parts)})" if parts else ""
+
+
+def name_of(c: dict, label: str | None) -> str:
+    return {c["a"]: c["a_name"], c["b"]: c["b_name"]}.get(label, "–")
+
+
+def pair(c: dict) -> str:
+    return f"{c['group']}: {c['a_name']} vs {c['b_name']}"
+
+
+def head_to_head(summary: Summary) -> list[str]:
+    if not summary.comparisons:
+        return [significance(summary)]
+    lines = ["Within each group, every placement against `none`, and exact DS2 (`seqwise`) against every other "
+             "placement. ΔWER is the first minus the second (negative: the first is better); faster: the one that "
+             "reaches the group's validation threshold (next section) sooner, by the means, not a test.", "",
+             "| group | comparison | ΔWER [95% CI] | p | Holm p | significant | faster | note |",
+             "|---|---|---:|---:|---:|---|---|---|"]
+    for c in summary.comparisons:
+        tested = c["p"] is not None
+        lines.append("| " + " | ".join([
+            c["group"], f"{c['a_name']} vs {c['b_name']}", interval(c) if tested else "–",
+            f"{c['p']:.4f}" if tested else "–", f"{c['p_holm']:.4f}" if tested else "–",
+            ("yes" if c["significant"] else "no") if tested else "no per-utterance outputs",
+            name_of(c, c["speed_winner"]) if c["speed_winner"] else "tie", capped_note(c)]) + " |")
+    return lines + ["", significance(summary), "", splits(summary)]
+
+
+def significance(summary: Summary) -> str:
+    tested = [c for c in summary.comparisons if c["p"] is not None]
+    if not tested:
+        return "No paired comparison: no group holds two variants with per-utterance test outputs."
+    family = f"{FAMILY_WISE} over the {len(tested)} comparisons of the head-to-head table"
+    sig = [c for c in tested if c["significant"]]
+    if not sig:
+        return f"No difference is significant at {family}."
+    parts = [f"{pair(c)} ({100 * c['dwer']:+.1f} points, {name_of(c, c['quality_winner'])} better)"
+             + (" †" if capped_note(c) else "") for c in sig]
+    return (f"Significant at {family} (marked *): {', '.join(parts)}; not significant: {len(tested) - len(sig)} "
+            f"of {len(tested)}." + (" † a run of that comparison reached the epoch cap still improving." if any(
+                capped_note(c) for c in sig) else ""))
+
+
+def splits(summary: Summary) -> str:
+    """The comparisons in which one variant wins one verdict and loses the other."""
+    split = [c for c in summary.comparisons if c["split"]]
+    if not split:
+        return ("No variant wins one verdict and loses the other (quality: a significant difference; speed: "
+                "reaching the validation threshold sooner).")
+    return "Wins one verdict, loses the other: " + "; ".join(
+        f"{pair(c)}: {name_of(c, c['quality_winner'])} better at convergence, {name_of(c, c['speed_winner'])} "
+        "faster to the threshold" for c in split) + "."
+
+
+def speed(summary: Summary) -> list[str]:
+    head = identity_head(summary)
+    lines = ["Each group's threshold is the highest of its variants' mean best validation WER, so every variant "
+             "reaches it on average; a seed that never does is counted out of \"reached\". Epochs and training "
+             "seconds (epoch times summed; validation is not timed) until validation WER first reached it, mean ± "
+             "std over the seeds that reached it.", "",
+             "| " + " | ".join(head + ["threshold val WER %", "reached", "epochs to threshold",
+                                       "training s to threshold", "epochs trained"]) + " |",
+             "|" + "---|" * len(head) + "---:|" * 5]
+    for row in summary.rows:
+        lines.append("| " + " | ".join(identity(summary, row) + [
+            fmt(row, "threshold", 100), f"{row['reached']} of {row['n']}", fmt(row, "epochs_to"),
+            fmt(row, "seconds_to"), fmt(row, "epochs_trained")]) + " |")
+    return lines
+
+
+def depth_effect(summary: Summary) -> list[str]:
+    """ΔWER vs none per depth, a line per placement: DS2's Table 1 asks whether BN helps more when deeper."""
+    depths = sorted({r["num_layers"] for r in summary.rows})
+    by_depth = {}
+    for row in summary.rows:
+        if row["bn"] != NONE:
+            by_depth.setdefault(row["depth_free"], {})[row["num_layers"]] = row
+    lines = ["| variant | " + " | ".join(f"depth {d}" for d in depths) + " |", "|---|" + "---:|" * len(depths)]
+    for name, rows_at in by_depth.items():
+        lines.append(f"| {name} | " + " | ".join(vs_none(rows_at[d]) if d in rows_at else "–" for d in depths) + " |")
+    return lines
+
+
+def as_json(summary: Summary, plots: list[str]) -> dict:
+    """report.json: the summary less the runs themselves (they are the results.json files), strict JSON."""
+    return ready({
+        "sweep_dir": summary.sweep_dir, "study": summary.study, "preset": summary.preset, "devices": summary.devices,
+        "torch": summary.torch, **summary.counts, "skipped": summary.unreadable, "stopped_runs": summary.stopped,
+        "duplicates": summary.duplicates, "protocol": summary.protocol, "tuning": summary.tuning,
+        "off_grid": summary.off_grid, "significance": significance(summary) if summary.rows else None,
+        "splits": splits(summary) if summary.rows else None, "plots": plots,
+        "rows": [public(r) for r in summary.rows], "comparisons": [public(c) for c in summary.comparisons]})
+
+
+def public(d: dict) -> dict:
+    return {k: v for k, v in d.items() if not k.startswith("_")}
+
+
+def ready(x):
+    """NaN and infinity become null, tuples lists: report.json stays strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: ready(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [ready(v) for v in x]
+    return x

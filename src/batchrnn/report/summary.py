@@ -1,0 +1,345 @@
+"""The one summary of a study that every table, plot and renderer reads: the runs read once, grouped
+into rows of one setting each (seeds of it, never two settings), the protocol's rate choice, both
+verdicts (quality at convergence, speed of convergence) and the head-to-head comparisons.
+"""
+import json
+import logging
+import math
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from batchrnn.config import BNMode, Impl, RNNType
+from batchrnn.protocol import LR, SEED, canonical, choose_lrs, setting_key, settings, variant_key
+from batchrnn.report.stats import ALPHA, first_reach, holm, mean_std, paired_bootstrap, utterance_errors
+from batchrnn.rundir import read_study
+
+log = logging.getLogger(__name__)
+
+RNN, BN, IMPL, DEPTH = "model.rnn", "model.bn", "model.impl", "model.num_layers"
+RNN_ORDER, BN_ORDER, IMPL_ORDER = ([m.value for m in e] for e in (RNNType, BNMode, Impl))
+NONE, EXACT = BNMode.none.value, BNMode.seqwise.value
+# Head to head, per group: every variant against `none`, and exact DS2 against every other placement.
+REFERENCES = (NONE, EXACT)
+METRICS = ("test_wer", "test_cer", "best_val_wer", "epoch_time_s", "peak_mem_mb")
+# A "running" run with no file written for this long has no live owner: it was stopped (a signal, a
+# lost job). Generous, since a results file is written once an epoch and validation is not timed.
+STALE_MIN_S, STALE_EPOCHS = 600, 3
+STATUS_RANK = {"finished": 3, "diverged": 2, "running": 1, "stopped": 0}  # which of two copies to keep
+
+
+@dataclass
+class Summary:
+    sweep_dir: str
+    study: str
+    preset: str
+    devices: str
+    torch: str
+    counts: dict[str, int]  # runs by status: finished, running, stopped (no live owner), diverged
+    unreadable: list[str]  # results.json paths that could not be read
+    duplicates: list[str]  # run folders left out: the same settings and seed as a kept one
+    stopped: list[str]  # run folders whose run has no live owner: resume each with its own command
+    protocol: dict | None  # {"lrs", "tune_seeds", "seeds"} when the study tunes each variant's rate
+    tuning: list[dict]  # per variant: label, by_lr {rate: mean best val WER}, the chosen lr, missing (lr, seed)
+    off_grid: list[str]  # labels of rows at a rate outside protocol.lrs: in no table
+    columns: list[str]  # the settings that vary across rows beyond rnn, bn and impl: table columns, labels
+    depth: bool  # the study varies model.num_layers
+    rows: list[dict]  # the verdict: a row per setting with finished runs (at its chosen rate under a protocol)
+    curves: list[dict]  # rows whose per-epoch curves are plotted: the verdict's and those of variants still tuning
+    comparisons: list[dict]  # head to head, Holm-adjusted over all of them
+    logger: dict  # the runs' W&B project, entity and tags
+
+
+def build(sweep_dir: Path, now: float | None = None) -> Summary:
+    """Reads every results.json under sweep_dir and builds the summary; raises FileNotFoundError when
+    there is nothing to report."""
+    sweep_dir = Path(sweep_dir)
+    if not sweep_dir.is_dir():
+        raise FileNotFoundError(f"{sweep_dir}: no such folder; pass the folder that holds the sweep's runs")
+    results, unreadable = read_study(sweep_dir)
+    for r in [r for r in results if not {RNN, BN} <= settings(r["config"]).keys()]:
+        log.warning("skipping %s: not a results file with model.rnn and model.bn", r["path"])
+        results.remove(r)
+        unreadable.append(Path(r["path"]) / "results.json")
+    if not results:
+        raise FileNotFoundError(f"{sweep_dir}: no readable results.json under it; has any run started?")
+    now = time.time() if now is None else now
+    runs, duplicates = by_setting([run_record(r, now) for r in results])
+    kept = [run["result"] for group in runs.values() for run in group]
+    protocol = protocol_of(kept)
+    choice = choose_lrs(kept, protocol["lrs"], protocol["tune_seeds"]) if protocol else {}
+
+    columns = varying(runs)
+    rows = sorted((make_row(group, columns, protocol, choice) for group in runs.values()), key=lambda r: r["_sort"])
+    verdict = [r for r in rows if r["role"] == "verdict" and r["n"]]
+    groups = defaultdict(list)
+    for row in verdict:
+        groups[row["group"]].append(row)
+    for members in groups.values():
+        add_ratios(members)
+        add_speed(members)
+    comparisons = compare(groups)
+
+    counts = Counter(run["status"] for group in runs.values() for run in group)
+    return Summary(
+        sweep_dir=str(sweep_dir), study=distinct(kept, "study"), preset=distinct(kept, "preset"),
+        devices=distinct(kept, "device"), torch=distinct(kept, "torch_version"),
+        counts={s: counts[s] for s in ("finished", "running", "stopped", "diverged")},
+        unreadable=[str(p) for p in unreadable], duplicates=duplicates, protocol=protocol,
+        stopped=[run["path"] for group in runs.values() for run in group if run["status"] == "stopped"],
+        tuning=tuning_table(rows, choice, protocol), off_grid=[r["label"] for r in rows if r["role"] == "off_grid"],
+        columns=columns, depth=DEPTH in columns, rows=verdict,
+        curves=[r for r in rows if r["role"] in ("verdict", "pending")], comparisons=comparisons,
+        logger=next((r["config"]["logger"] for r in kept if isinstance(r["config"].get("logger"), dict)), {}))
+
+
+# ----------------------------------------------------------------------------------------------------
+# runs
+
+
+def run_record(result: dict, now: float) -> dict:
+    s = settings(result["config"])
+    return {"seed": s.get(SEED), "status": status_of(result, now), "path": result["path"], "settings": s,
+            "epochs": result.get("epochs") or [], "improving_at_cap": bool(result.get("improving_at_cap")),
+            "result": result}
+
+
+def status_of(result: dict, now: float) -> str:
+    """finished, diverged, running, or stopped: "running" in the file, but nothing under the run's folder
+    was written for STALE_EPOCHS times its longest epoch (at least STALE_MIN_S)."""
+    status = result.get("status")
+    if status in ("finished", "diverged"):
+        return status
+    longest = max((e.get("epoch_time_s") or 0.0 for e in result.get("epochs") or []), default=0.0)
+    quiet = now - last_write(Path(result["path"]))
+    return "stopped" if quiet > max(STALE_MIN_S, STALE_EPOCHS * longest) else "running"
+
+
+def last_write(folder: Path) -> float:
+    """The newest modification time of any file in a run's folder (results, checkpoint, log, W&B files)."""
+    times = []
+    for path in folder.rglob("*"):
+        try:
+            times.append(path.stat().st_mtime)
+        except OSError:  # a dangling link (W&B's latest-run), a file removed meanwhile
+            pass
+    return max(times, default=0.0)
+
+
+def by_setting(records: list[dict]) -> tuple[dict, list[str]]:
+    """{setting key: runs sorted by seed}: a seed appears once per setting. Of two folders with the same
+    settings and seed, the one further along is kept and the other reported."""
+    groups, duplicates = defaultdict(dict), []
+    for run in records:
+        seeds = groups[setting_key(run["result"]["config"])]
+        other = seeds.get(run["seed"])
+        if other is not None:
+            keep, drop = sorted((other, run), key=lambda r: (STATUS_RANK[r["status"]], len(r["epochs"])))[::-1]
+            log.warning("%s: the same settings and seed as %s; left out of the report (move or delete one)",
+                        drop["path"], keep["path"])
+            duplicates.append(drop["path"])
+            run = keep
+        seeds[run["seed"]] = run
+    return {k: sorted(v.values(), key=lambda r: r["seed"] or 0) for k, v in groups.items()}, duplicates
+
+
+def protocol_of(results: list[dict]) -> dict | None:
+    """The study's learning-rate protocol, when its runs carry one with a grid; the commonest if several."""
+    found = Counter(canonical({k: p.get(k) for k in ("lrs", "tune_seeds", "seeds")}) for r in results
+                    if isinstance(p := r["config"].get("protocol"), dict) and p.get("lrs"))
+    if not found:
+        return None
+    if len(found) > 1:
+        log.warning("the runs carry %d different protocols; the report follows the commonest", len(found))
+    return json.loads(found.most_common(1)[0][0])
+
+
+def distinct(results: list[dict], key: str) -> str:
+    values = sorted({str(r[key]) for r in results if r.get(key) is not None})
+    return ", ".join(values) or "unknown"
+
+
+# ----------------------------------------------------------------------------------------------------
+# rows
+
+
+def varying(runs: dict) -> list[str]:
+    """The settings (not the seed, rnn, bn or impl) whose values differ between rows: depth, then the
+    rate, then the rest by name."""
+    values = defaultdict(set)
+    keys = set().union(*(group[0]["settings"] for group in runs.values()))
+    for group in runs.values():
+        for k in keys:
+            values[k].add(canonical(group[0]["settings"].get(k)))
+    out = [k for k in keys - {SEED, RNN, BN, IMPL} if len(values[k]) > 1]
+    return sorted(out, key=lambda k: (k != DEPTH, k != LR, k))
+
+
+def short(key: str, keys: list[str]) -> str:
+    """A setting's last name (lr, hidden_size), or its whole name when two settings share the last."""
+    last = key.rsplit(".", 1)[-1]
+    return last if sum(k.rsplit(".", 1)[-1] == last for k in keys) == 1 else key
+
+
+def value(v) -> str:
+    return f"{v:g}" if isinstance(v, float) else json.dumps(v) if isinstance(v, (list, dict)) else str(v)
+
+
+def describe(s: dict, keys: list[str], columns: list[str], bn: bool = True) -> str:
+    """rnn-bn[-impl][-L<layers>] plus key=value for each other setting in keys: a row's, variant's or
+    group's name."""
+    name = s[RNN] + (f"-{placement_of(s)}" if bn else "")
+    if DEPTH in keys:
+        name += f"-L{s.get(DEPTH)}"
+    return " ".join([name] + [f"{short(k, columns)}={value(s.get(k))}" for k in keys if k != DEPTH])
+
+
+def placement_of(s: dict) -> str:
+    """bn, or bn-impl for the cells reference."""
+    impl = s.get(IMPL, Impl.fused.value)
+    return s[BN] + ("" if impl == Impl.fused.value else f"-{impl}")
+
+
+def rank(order: list, x) -> tuple:
+    return (order.index(x), "") if x in order else (len(order), str(x))
+
+
+def ordered(v) -> tuple:
+    """A sort key for any setting's value: numbers by value, before anything else by its JSON."""
+    return (0, v, "") if isinstance(v, (int, float)) and not isinstance(v, bool) else (1, 0, canonical(v))
+
+
+def make_row(runs: list[dict], columns: list[str], protocol: dict | None, choice: dict) -> dict:
+    s = runs[0]["settings"]
+    impl = s.get(IMPL, Impl.fused.value)
+    # Under a protocol each variant has its own rate: the rate names a row, not a group or a variant.
+    per_variant = [k for k in columns if not (protocol and k == LR)]
+    finished = [r for r in runs if r["status"] == "finished"]
+    placement, row_role = placement_of(s), role(runs[0]["result"]["config"], protocol, choice)
+    row = {"label": describe(s, columns, columns), "variant": describe(s, per_variant, columns),
+           "group": describe(s, per_variant, columns, bn=False),
+           "depth_free": describe(s, [k for k in per_variant if k != DEPTH], columns),
+           "family": describe(s, [k for k in per_variant if k != DEPTH], columns, bn=False),  # group less depth
+           "placement": placement,
+           # within its group: the placement (and the rate of a variant still tuning, whose rows are all plotted)
+           "name": placement + (f" lr={value(s.get(LR))}" if row_role == "pending" else ""),
+           "rnn": s[RNN], "bn": s[BN], "impl": impl, "num_layers": s.get(DEPTH), "lr": s.get(LR),
+           "settings": {k: s.get(k) for k in columns}, "role": row_role,
+           "n": len(finished), "seeds": [r["seed"] for r in finished],
+           "test_wer_by_seed": [r["result"].get("test_wer") for r in finished],
+           # reached the epoch cap while validation WER was still improving: maybe not converged
+           "capped": sum(r["improving_at_cap"] for r in finished),
+           # against the group's `none` (compare fills them in): the results table's last column
+           "dwer": math.nan, "dwer_lo": math.nan, "dwer_hi": math.nan, "p": None, "p_holm": None, "significant": False,
+           "_runs": runs, "_finished": finished,
+           "_sort": (rank(RNN_ORDER, s[RNN]), [ordered(s.get(k)) for k in per_variant], rank(BN_ORDER, s[BN]),
+                     rank(IMPL_ORDER, impl), ordered(s.get(LR)))}
+    for name in METRICS:
+        row[name], row[f"{name}_std"] = mean_std([r["result"].get(name) for r in finished])
+    row["epochs_trained"], row["epochs_trained_std"] = mean_std([len(r["epochs"]) for r in finished])
+    row["params"] = mean_std([r["result"].get("params") for r in finished])[0]  # the same for every seed
+    return row
+
+
+def role(config: dict, protocol: dict | None, choice: dict) -> str:
+    """verdict: in the results table; tuning: at a rate its variant did not choose; pending: its variant's
+    tuning is not complete; off_grid: at a rate outside the protocol's grid."""
+    if protocol is None:
+        return "verdict"
+    lr, chosen = config["train"]["lr"], choice[variant_key(config)]["lr"]
+    if lr not in protocol["lrs"]:
+        return "off_grid"
+    return "pending" if chosen is None else "verdict" if lr == chosen else "tuning"
+
+
+def tuning_table(rows: list[dict], choice: dict, protocol: dict | None) -> list[dict]:
+    if protocol is None:
+        return []
+    labels = {}
+    for row in rows:  # sorted, so the variants come in the results table's order
+        labels.setdefault(variant_key(row["_runs"][0]["result"]["config"]), row["variant"])
+    return [{"label": label, "lr": choice[key]["lr"], "missing": choice[key]["missing"],
+             "by_lr": {value(lr): wer for lr, wer in choice[key]["by_lr"].items()}} for key, label in labels.items()]
+
+
+def add_ratios(group: list[dict]) -> None:
+    """Time and memory over the `none` row of the group: the cost of a placement, measured in this sweep."""
+    none = baseline(group, NONE)
+    for row in group:
+        for name, ratio in (("epoch_time_s", "time_ratio"), ("peak_mem_mb", "mem_ratio")):
+            row[ratio] = row[name] / none[name] if none and none[name] else math.nan
+
+
+def baseline(group: list[dict], bn: str) -> dict | None:
+    return next((r for r in group if r["bn"] == bn and r["impl"] == Impl.fused.value), None)
+
+
+def add_speed(group: list[dict]) -> None:
+    """Speed of convergence: epochs and training seconds until validation WER first reaches the group's
+    threshold, the highest of its rows' mean best validation WER (so every row's mean reaches it; a seed
+    that never does is counted in "reached")."""
+    bests = [r["best_val_wer"] for r in group if not math.isnan(r["best_val_wer"])]
+    threshold = max(bests) if bests else math.nan
+    for row in group:
+        reach = [first_reach(r["epochs"], threshold) for r in row["_finished"]] if bests else []
+        reach = [x for x in reach if x is not None]
+        row["threshold"], row["reached"] = threshold, len(reach)
+        row["epochs_to"], row["epochs_to_std"] = mean_std([e for e, _ in reach])
+        row["seconds_to"], row["seconds_to_std"] = mean_std([s for _, s in reach])
+
+
+# ----------------------------------------------------------------------------------------------------
+# head to head
+
+
+def compare(groups: dict) -> list[dict]:
+    """Within each group, every variant against `none` and `seqwise` against every other, by the paired
+    two-level bootstrap; Holm's correction over the whole family. Each row gets its comparison with `none`."""
+    out, vs_none = [], []
+    for members in groups.values():
+        seen = set()
+        for reference in REFERENCES:
+            b = baseline(members, reference)
+            for a in members if b else []:
+                if a is not b and (pair := frozenset((a["label"], b["label"]))) not in seen:
+                    seen.add(pair)
+                    out.append(comparison(a, b))
+                    if reference == NONE:
+                        vs_none.append((a, out[-1]))
+    tested = [c for c in out if c["p"] is not None]
+    for c, p in zip(tested, holm([c["p"] for c in tested])):
+        c["p_holm"], c["significant"] = p, p < ALPHA
+        c["quality_winner"] = (c["a"] if c["dwer"] < 0 else c["b"]) if c["significant"] else None
+        c["split"] = bool(c["quality_winner"] and c["speed_winner"] and c["quality_winner"] != c["speed_winner"])
+    for row, c in vs_none:
+        row.update({k: c[k] for k in ("dwer", "dwer_lo", "dwer_hi", "p", "p_holm", "significant")})
+    return out
+
+
+def comparison(a: dict, b: dict) -> dict:
+    d = paired_bootstrap(errors_of(a), errors_of(b))
+    return {"group": a["group"], "a": a["label"], "b": b["label"], "a_name": a["name"], "b_name": b["name"],
+            "dwer": d.dwer if d else math.nan, "dwer_lo": d.lo if d else math.nan, "dwer_hi": d.hi if d else math.nan,
+            "p": d.p if d else None, "p_holm": None, "significant": False, "quality_winner": None,
+            "speed_winner": faster(a, b), "split": False,
+            "capped": {a["label"]: a["capped"], b["label"]: b["capped"]}, "n": {a["label"]: a["n"], b["label"]: b["n"]}}
+
+
+def errors_of(row: dict) -> list[dict]:
+    """Each finished seed's per-utterance word errors, computed once per run."""
+    for run in row["_finished"]:
+        if "errors" not in run:
+            run["errors"] = utterance_errors(run["result"])
+    return [run["errors"] for run in row["_finished"]]
+
+
+def faster(a: dict, b: dict) -> str | None:
+    """The label of the row that reaches the threshold sooner: more of its seeds reach it, else half an
+    epoch fewer on average; None for a tie (descriptive, not a test)."""
+    ra, rb = a["reached"] / a["n"], b["reached"] / b["n"]
+    if ra != rb:
+        return a["label"] if ra > rb else b["label"]
+    if not ra or abs(a["epochs_to"] - b["epochs_to"]) < 0.5:
+        return None
+    return a["label"] if a["epochs_to"] < b["epochs_to"] else b["label"]

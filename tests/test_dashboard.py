@@ -55,13 +55,6 @@ def test_bn_groups_even_when_the_sweep_keeps_it_fixed():
     assert [g.name for g in workspace.runset_settings.groupby] == ["model.bn", "model.num_layers"]
 
 
-def test_swept_keys_are_what_differs():
-    configs = [{"model": {"rnn": rnn, "bn": bn, "conv": [{"stride": 2}]}, "train": {"lr": 2e-3}, "seed": seed}
-               for rnn in ("gru", "lstm") for bn in ("none", "seqwise") for seed in (1, 2)]
-    assert dashboard.swept_keys(configs) == ["model.rnn", "model.bn", "seed"]
-    assert dashboard.swept_keys(configs[:1]) == []
-
-
 def test_offline_saves_nothing(tmp_path):
     url_file = tmp_path / "dashboard.url"
     assert dashboard.save_workspace("offline", "me", "batchrnn", "an4_cpu", SWEPT, url_file) is None

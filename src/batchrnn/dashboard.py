@@ -13,20 +13,6 @@ from batchrnn.errors import one_line
 BN, SEED = "model.bn", "seed"  # the study's question, and the key that repeats a variant
 
 
-def swept_keys(configs: list[dict]) -> list[str]:
-    """Dotted config keys whose values differ across the runs' configs: what the sweep varied."""
-    flat = [_flatten(c) for c in configs]
-    keys = dict.fromkeys(k for f in flat for k in f)  # ordered as the config reads
-    return [k for k in keys if len({repr(f.get(k)) for f in flat}) > 1]
-
-
-def _flatten(config: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in config.items():
-        out |= _flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
-    return out
-
-
 def build_workspace(entity: str, project: str, study: str, swept: list[str]) -> ws.Workspace:
     """The study's workspace: runs of its W&B group, grouped by variant (model.bn, then the other swept
     keys but the seed), so every chart shows one line or bar per variant, the mean over its seeds."""

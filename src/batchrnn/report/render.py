@@ -245,7 +245,7 @@ def as_json(summary: Summary, plots: list[str]) -> dict:
     """report.json: the summary less the runs themselves (they are the results.json files), strict JSON."""
     return ready({
         "sweep_dir": summary.sweep_dir, "study": summary.study, "preset": summary.preset, "devices": summary.devices,
-        "torch": summary.torch, **summary.counts, "skipped": summary.unreadable, "stopped_runs": summary.stopped,
+        "torch": summary.torch, "columns": summary.columns, **summary.counts, "skipped": summary.unreadable, "stopped_runs": summary.stopped,
         "duplicates": summary.duplicates, "protocol": summary.protocol, "tuning": summary.tuning,
         "off_grid": summary.off_grid, "significance": significance(summary) if summary.rows else None,
         "splits": splits(summary) if summary.rows else None, "plots": plots,

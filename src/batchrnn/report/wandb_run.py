@@ -2,6 +2,7 @@
 from pathlib import Path
 
 from batchrnn.config import LoggerConfig, LoggerMode
+from batchrnn.dashboard import save_workspace
 
 
 def logger_of(runs_logger: dict, mode: LoggerMode) -> LoggerConfig:
@@ -28,10 +29,13 @@ def log_report(report: dict, out_dir: Path, logger: LoggerConfig) -> str:
     for plot in report["plots"]:
         tracker.log_image(f"report/{plot.removesuffix('.png')}", Path(out_dir) / plot)
     tracker.summary({k: report[k] for k in ("finished", "running", "stopped", "diverged", "significance", "splits")})
-    # The study's saved W&B dashboard (wandb-workspaces) belongs here, once the tables are logged, online
-    # only: `if tracker.mode == "online": save_dashboard(report)`, where `report` is the summary as
-    # report.json holds it (study, protocol, rows, comparisons, tuning, plots) and `logger` names the project.
     tracker.finish()
+    # The study's saved dashboard beside it (online only): the settings the study varies are the groupings.
+    swept = [k for k, n in (("model.rnn", "rnn"), ("model.bn", "bn")) if len({r[n] for r in report["rows"]}) > 1]
+    url = save_workspace(tracker.mode, logger.entity, logger.project, report["study"],
+                         swept + report["columns"] + ["seed"], Path(out_dir) / "wandb-report" / "dashboard.url")
+    if url:
+        print(f"W&B: study dashboard {url}")
     where = Path(out_dir) / "wandb-report" / "wandb"
     print({"online": "W&B: report logged online",
            "offline": f"W&B: report logged offline, upload with `wandb sync {where}/offline-run-*`"}.get(

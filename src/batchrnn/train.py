@@ -16,6 +16,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+from batchrnn.checkpoint import save_model
 from batchrnn.config import ConfigError, Device, Impl, to_container, validate
 from batchrnn.data import corpus_changes, one_line, prepare_corpus
 from batchrnn.features import FeatureSet, collate, load_features, make_batches
@@ -72,6 +73,36 @@ def ctc_feasible(model: DeepSpeech2, fs: FeatureSet) -> list[bool]:
     return [n <= f for n, f in zip(need, frames)]
 
 
+CTC = torch.nn.CTCLoss(blank=0, zero_infinity=True)
+
+
+def ctc_loss(model: DeepSpeech2, x, x_lens, y, y_lens, amp: bool):
+    """CTC loss of a batch, with the log-probabilities and output lengths it was computed from."""
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=amp):
+        logits, out_lens = model(x, x_lens)
+    log_probs = logits.float().log_softmax(-1)
+    return CTC(log_probs, y, out_lens, y_lens), log_probs, out_lens
+
+
+@torch.no_grad()
+def score(model: DeepSpeech2, fs: FeatureSet, batch_size: int, device: torch.device, amp: bool,
+          progress: bool = False) -> dict:
+    """Loss, WER and CER of a feature set with greedy decoding, and each utterance's hypothesis."""
+    model.eval()
+    ids, refs, hyps, total = [], [], [], 0.0
+    batches = make_batches(fs.lengths, batch_size, shuffle=False, seed=0)
+    for indices in tqdm(batches, desc="scoring", unit="batch", disable=not progress):
+        x, x_lens, y, y_lens = [b.to(device, non_blocking=True) for b in collate(fs, indices)]
+        loss, log_probs, out_lens = ctc_loss(model, x, x_lens, y, y_lens, amp)
+        total += loss.item() * len(indices)
+        hyps += greedy_decode(log_probs, out_lens)
+        refs += [fs.texts[i] for i in indices]
+        ids += [fs.ids[i] for i in indices]
+    wer, cer = error_rates(refs, hyps)
+    return {"loss": total / len(fs), "wer": wer, "cer": cer,
+            "utterances": [{"id": i, "ref": r, "hyp": h} for i, r, h in zip(ids, refs, hyps)]}
+
+
 class Trainer:
     def __init__(self, cfg: DictConfig, out_dir: Path, preset: str | None = None):
         validate(cfg)
@@ -104,7 +135,6 @@ class Trainer:
                         "for CTC and are left out of training: %s", len(self.ctc_skipped), self.ctc_skipped[:10])
 
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-        self.ctc = torch.nn.CTCLoss(blank=0, zero_infinity=True)
         self.epoch, self.step, self.history = 0, 0, []
         self.best = {"val_wer": math.inf, "epoch": 0}
         self.skipped_steps, self.skipped_in_a_row = 0, 0
@@ -152,12 +182,6 @@ class Trainer:
     def batch_to_device(self, batch):
         return [b.to(self.device, non_blocking=True) for b in batch]
 
-    def loss_of(self, x, x_lens, y, y_lens):
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
-            logits, out_lens = self.model(x, x_lens)
-        log_probs = logits.float().log_softmax(-1)
-        return self.ctc(log_probs, y, out_lens, y_lens), log_probs, out_lens
-
     def train_epoch(self) -> dict:
         t, fs = self.cfg.train, self.sets["train"]
         self.model.train()
@@ -173,7 +197,7 @@ class Trainer:
             x, x_lens, y, y_lens = self.batch_to_device(collate(fs, indices))
             # BN running averages move in the forward pass: a skipped step must take them back too.
             buffers = [b.clone() for b in self.model.buffers()]
-            loss, _, _ = self.loss_of(x, x_lens, y, y_lens)
+            loss, _, _ = ctc_loss(self.model, x, x_lens, y, y_lens, self.amp)
             self.opt.zero_grad(set_to_none=True)
             if torch.isfinite(loss):
                 loss.backward()
@@ -204,24 +228,11 @@ class Trainer:
                 f"epoch {self.epoch}; the run has diverged. Lower train.lr (now {self.cfg.train.lr:g}) or "
                 f"check the data; {RESULTS} and {CHECKPOINT} are as after epoch {self.epoch - 1}")
 
-    @torch.no_grad()
     def evaluate(self, split: str, state: dict | None = None) -> dict:
-        """Loss, WER and CER of a split with greedy decoding; optionally with another state dict."""
+        """score() of a split; optionally with another state dict."""
         if state is not None:
             self.model.load_state_dict(state)
-        self.model.eval()
-        fs = self.sets[split]
-        ids, refs, hyps, total = [], [], [], 0.0
-        for indices in make_batches(fs.lengths, self.cfg.train.batch_size, shuffle=False, seed=0):
-            x, x_lens, y, y_lens = self.batch_to_device(collate(fs, indices))
-            loss, log_probs, out_lens = self.loss_of(x, x_lens, y, y_lens)
-            total += loss.item() * len(indices)
-            hyps += greedy_decode(log_probs, out_lens)
-            refs += [fs.texts[i] for i in indices]
-            ids += [fs.ids[i] for i in indices]
-        wer, cer = error_rates(refs, hyps)
-        return {"loss": total / len(fs), "wer": wer, "cer": cer,
-                "utterances": [{"id": i, "ref": r, "hyp": h} for i, r, h in zip(ids, refs, hyps)]}
+        return score(self.model, self.sets[split], self.cfg.train.batch_size, self.device, self.amp)
 
     def run(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
@@ -258,7 +269,7 @@ class Trainer:
             write_json(results_path, self.summary("diverged") | {"error": str(e)})
             tracker.finish()  # a sweep goes on with its next job, which starts its own W&B run
             raise
-        best_state = self.load(BEST, weights_only=True)
+        best_state = self.load(BEST, weights_only=True)["state_dict"]
         test = self.evaluate("test", best_state)
         results = self.summary("finished") | {
             "test_wer": test["wer"], "test_cer": test["cer"], "test_loss": test["loss"],
@@ -297,7 +308,8 @@ class Trainer:
             self.history.append(row)
             if val["wer"] < self.best["val_wer"]:
                 self.best = {"val_wer": val["wer"], "epoch": self.epoch}
-                atomic_write(self.out_dir / BEST, lambda tmp: torch.save(self.model.state_dict(), tmp))
+                save_model(self.out_dir / BEST, self.model, to_container(self.cfg), epoch=self.epoch,
+                           val_wer=val["wer"])
             stale = self.epoch - self.best["epoch"]
             self.save_checkpoint()
             write_json(results_path, self.summary("running"))

@@ -3,7 +3,7 @@ PY := .venv/bin/python
 STAMP := .venv/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
 SWEEP ?= runs/an4_cpu
 
-.PHONY: help venv test test-slow smoke reproduce-an4 reproduce-depth report bench clean
+.PHONY: help venv test test-slow smoke reproduce-an4 reproduce-depth report bench gpu-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -34,6 +34,9 @@ report: $(STAMP) ## rebuild report.md and plots from a sweep folder: make report
 
 bench: $(STAMP) ## time and memory of every variant vs bn=none, about 3 minutes on 2 cores; ARGS=--quick: 10-20 s
 	$(PY) experiments/bench_rnn.py $(ARGS)
+
+gpu-check: $(STAMP) ## the GPU path in <= 8 min on one GPU: pytest -m gpu, bench, 2 epochs of an4_gpu (ARGS=--dry-run: CPU)
+	$(PY) experiments/gpu_check.py $(ARGS)
 
 clean: ## remove the virtual environment (keeps data/ and runs/)
 	rm -rf .venv

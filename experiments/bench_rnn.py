@@ -3,12 +3,12 @@ bn=none of the same rnn, in one process with the variants' runs interleaved, so 
 machine (other load, turbo, thermal) hits every variant alike.
 
     python experiments/bench_rnn.py                       # batch 16, 200 frames, 3 layers, hidden 256
-    python experiments/bench_rnn.py --device cuda --hidden 1024 --layers 5
+    python experiments/bench_rnn.py --device cuda --hidden 1024 --layers 5 --amp
     python experiments/bench_rnn.py --quick               # 10-20 s: checks the script, numbers mean little
 
 The defaults take about 3 minutes on 2 CPU cores; after its first round it prints its own estimate.
 
-Prints a table, then one JSON line per row: rnn, bn, impl, ms, peak_mb, time_ratio, mem_ratio.
+Prints a table, then one JSON line per row: rnn, bn, impl, ms, peak_mb, time_ratio, mem_ratio, amp.
 Memory: CUDA max allocated on a GPU; on the CPU the profiler's peak of live tensor bytes. Both count
 the parameters and the input plus everything the step allocates.
 """
@@ -47,8 +47,11 @@ class Stack(nn.Module):
         return x
 
 
-def step(model, x, lengths):
-    model(x, lengths).square().mean().backward()
+def step(model, x, lengths, amp=False):
+    # bf16 autocast as the trainer's train.amp uses it: the forward pass only, the loss in float32
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=amp):
+        y = model(x, lengths)
+    y.float().square().mean().backward()
 
 
 def sync(device):
@@ -76,18 +79,18 @@ def gpu_probe_silenced():
         os.close(saved)
 
 
-def peak_mb(model, x, lengths, device) -> float:
+def peak_mb(model, x, lengths, device, amp) -> float:
     model.zero_grad(set_to_none=True)
     if device.type == "cuda":
         sync(device)
         torch.cuda.reset_peak_memory_stats(device)
-        step(model, x, lengths)
+        step(model, x, lengths, amp)
         sync(device)
         return torch.cuda.max_memory_allocated(device) / 2**20
     # acc_events: keep the events past the profiler's exit, as read below (torch warns otherwise).
     with gpu_probe_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True,
                                        acc_events=True) as prof:
-        step(model, x, lengths)
+        step(model, x, lengths, amp)
     live = peak = 0  # allocations sit on op events, frees on "[memory]" events, in time order
     for e in sorted(prof.events(), key=lambda e: e.time_range.start):
         live += e.self_cpu_memory_usage
@@ -111,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-cells", action="store_true", help="skip the slow cell reference")
     quick = ", ".join(f"--{k} {v}" for k, v in QUICK.items())
     p.add_argument("--quick", action="store_true", help=f"a tiny run to check the script in seconds: {quick}")
+    p.add_argument("--amp", action="store_true", help="bf16 autocast, as train.amp on CUDA (default: float32)")
     args = p.parse_args(argv)
     if args.quick:
         p.set_defaults(**QUICK)
@@ -136,14 +140,14 @@ def main(argv: list[str] | None = None) -> None:
                 model.zero_grad(set_to_none=True)
                 sync(device)
                 start = time.perf_counter()
-                step(model, x, lengths)
+                step(model, x, lengths, args.amp)
                 sync(device)
                 if r >= args.warmup:
                     times[v].append(time.perf_counter() - start)
             if r == 0:  # a step's peak is the same after one step as after many: measure it now, and
                 # the first rnn's round and memory pass tell how long the whole run takes
                 round_s = time.perf_counter() - round_started
-                mem = {v: peak_mb(m, x, lengths, device) for v, m in models.items()}
+                mem = {v: peak_mb(m, x, lengths, device, args.amp) for v, m in models.items()}
                 if rnn == rnns[0]:
                     total = len(rnns) * (time.perf_counter() - started + (args.warmup + args.repeats - 1) * round_s)
                     print(f"bench: {round_s:.1f} s a round, {args.warmup + args.repeats} rounds per rnn, "
@@ -156,14 +160,14 @@ def main(argv: list[str] | None = None) -> None:
                          "mem_ratio": round(mem[v] / mem[base], 3)})
     print(f"device {device} ({torch.get_num_threads()} threads), torch {torch.__version__}, batch {args.batch}, "
           f"frames {args.frames}, layers {args.layers}, input {args.input or args.hidden}, hidden {args.hidden}, "
-          "bidirectional, "
+          f"bidirectional, {'bf16 autocast' if args.amp else 'float32'}, "
           f"{'ragged' if args.ragged else 'full'} lengths, median of {args.repeats} interleaved rounds")
     print(f"{'rnn':5} {'bn':8} {'impl':6} {'ms':>9} {'peak MB':>9} {'time x':>7} {'mem x':>7}")
     for r in rows:
         print(f"{r['rnn']:5} {r['bn']:8} {r['impl']:6} {r['ms']:9.1f} {r['peak_mb']:9.1f} "
               f"{r['time_ratio']:7.2f} {r['mem_ratio']:7.2f}")
     for r in rows:
-        print(json.dumps(r | {"device": device.type}))
+        print(json.dumps(r | {"device": device.type, "amp": args.amp}))
 
 
 if __name__ == "__main__":

@@ -63,6 +63,7 @@ class ConvFrontEnd(nn.Module):
 class DeepSpeech2(nn.Module):
     def __init__(self, cfg: ModelConfig, num_features: int, num_classes: int):
         super().__init__()
+        self.num_features = num_features  # what a checkpoint needs, beside the config, to rebuild the model
         self.front_end = ConvFrontEnd(cfg, num_features)
         sizes = [self.front_end.output_size] + [cfg.hidden_size] * cfg.num_layers
         self.rnns = nn.ModuleList(

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from batchrnn.checkpoint import CheckpointError, load_model, save_model
 from batchrnn.errors import one_line
 from batchrnn.protocol import mismatch
 from batchrnn.storage import atomic_write, write_json
@@ -99,11 +100,14 @@ class RunFolder:
         return progress
 
     def save_best(self, model, config: dict, **extra) -> None:
-        state = {"config": config, "state_dict": model.state_dict(), **extra}
-        atomic_write(self.file(BEST), lambda tmp: torch.save(state, tmp))
+        """best.pt: the model with what rebuilds it (batchrnn.checkpoint), usable outside this folder."""
+        save_model(self.file(BEST), model, config, **extra)
 
     def best_state(self, device: torch.device) -> dict:
-        return self.load(BEST, device, weights_only=True)["state_dict"]
+        try:
+            return load_model(self.file(BEST), device)[0].state_dict()
+        except CheckpointError as e:
+            raise RunError(f"{e}; or delete {CHECKPOINT} and {BEST} in that folder to train this run afresh") from e
 
     @contextmanager
     def logging(self):

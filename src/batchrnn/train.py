@@ -110,12 +110,14 @@ def ctc_feasible(model: DeepSpeech2, fs: FeatureSet) -> list[bool]:
 
 
 @torch.no_grad()
-def score(model, fs: FeatureSet, batch_size: int, device: torch.device, bf16: bool = False) -> dict:
+def score(model, fs: FeatureSet, batch_size: int, device: torch.device, bf16: bool = False,
+          progress: bool = False) -> dict:
     """Loss, WER and CER of a feature set with greedy decoding, and each utterance's hypothesis."""
     model.eval()
     ctc = torch.nn.CTCLoss(blank=0, zero_infinity=True)
     ids, refs, hyps, total = [], [], [], 0.0
-    for indices in make_batches(fs.lengths, batch_size, shuffle=False, seed=0):
+    batches = make_batches(fs.lengths, batch_size, shuffle=False, seed=0)
+    for indices in tqdm(batches, desc="scoring", unit="batch", disable=not progress):
         x, x_lens, y, y_lens = (b.to(device) for b in collate(fs, indices))
         loss, log_probs, out_lens = ctc_loss(model, ctc, x, x_lens, y, y_lens, bf16)
         total += loss.item() * len(indices)

@@ -13,7 +13,8 @@ from hydra import compose, initialize_config_dir
 from batchrnn.checkpoint import load_model
 from batchrnn.data import prepare_corpus
 from batchrnn.model import DeepSpeech2
-from batchrnn.train import BEST, RESULTS, train
+from batchrnn.rundir import BEST, RESULTS
+from batchrnn.train import train
 from conftest import ROOT
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchrnn.config import BNMode, Impl, RNNType
+from batchrnn.config import Stage
 from batchrnn.protocol import LR, SEED, canonical, choose_lrs, setting_key, settings, variant_key
 from batchrnn.report.stats import ALPHA, first_reach, holm, mean_std, paired_bootstrap, utterance_errors
 from batchrnn.rundir import read_study
@@ -145,9 +146,11 @@ def by_setting(records: list[dict]) -> tuple[dict, list[str]]:
 
 
 def protocol_of(results: list[dict]) -> dict | None:
-    """The study's learning-rate protocol, when its runs carry one with a grid; the commonest if several."""
+    """The study's learning-rate protocol, when its runs were made by one (batchrnn.study: stage tune or
+    final) with a grid; the commonest if several. Single runs of a preset that has a grid are plain runs."""
     found = Counter(canonical({k: p.get(k) for k in ("lrs", "tune_seeds", "seeds")}) for r in results
-                    if isinstance(p := r["config"].get("protocol"), dict) and p.get("lrs"))
+                    if isinstance(p := r["config"].get("protocol"), dict) and p.get("lrs")
+                    and p.get("stage", Stage.single.value) != Stage.single.value)
     if not found:
         return None
     if len(found) > 1:

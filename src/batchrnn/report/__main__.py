@@ -20,7 +20,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         path = write_report(args.sweep_dir, args.out, LoggerMode.auto if args.wandb else None)
     except FileNotFoundError as e:
-        sys.exit(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)  # as the trainer and the other entry points exit on a problem the user can fix
     print(f"wrote {path}")
 
 

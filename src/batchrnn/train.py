@@ -6,6 +6,7 @@ The run folder's files are batchrnn.rundir's business; this module is the loop a
 import logging
 import math
 import random
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -265,7 +266,8 @@ def results_of(cfg: DictConfig, preset: str | None, run: Run, progress: Progress
         "epochs": progress.history, "best_epoch": progress.best_epoch, "best_val_wer": progress.best_val_wer,
         # "cap" with an improvement inside the last patience window: still improving when the cap stopped it
         "stop": stop, "improving_at_cap": stop == "cap" and stale < max(t.patience, 1),
-        "epoch_time_s": sum(times) / len(times) if times else None,
+        # the median epoch: one epoch slowed by a stray process (a test run, a laptop's sleep) moves it little
+        "epoch_time_s": statistics.median(times) if times else None,
         "peak_mem_mb": max((r["peak_mem_mb"] for r in progress.history), default=None),
         "params": run.params, "device": run.device.type, "bf16": run.bf16, "torch_version": torch.__version__,
         "skipped_steps": progress.skipped_steps, "ctc_skipped_utterances": run.ctc_skipped,

@@ -8,7 +8,8 @@ machine (other load, turbo, thermal) hits every variant alike.
 
 The defaults take about 3 minutes on 2 CPU cores; after its first round it prints its own estimate.
 
-Prints a table, then one JSON line per row: rnn, bn, impl, ms, peak_mb, time_ratio, mem_ratio, amp.
+Prints a table, then one JSON line per row: rnn, bn, impl, loop (a step loop: impl=cells, ln_full), ms,
+peak_mb, time_ratio, mem_ratio, amp.
 Memory: CUDA max allocated on a GPU; on the CPU the profiler's peak of live tensor bytes. Both count
 the parameters and the input plus everything the step allocates.
 """
@@ -28,8 +29,11 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from batchrnn.config import BNMode, Impl  # noqa: E402
 from batchrnn.model import build_recurrent_layer  # noqa: E402
+from batchrnn.rnn import LAYERS  # noqa: E402
 
-VARIANTS = [(bn, Impl.fused) for bn in BNMode] + [(BNMode.seqwise, Impl.cells)]
+# Step loops (the cells reference, ln_full) after the fused variants; --no-cells skips them.
+LOOPS = [(BNMode.seqwise, Impl.cells)] + [(bn, Impl.fused) for bn, layer in LAYERS.items() if not layer.fused]
+VARIANTS = [(bn, Impl.fused) for bn, layer in LAYERS.items() if layer.fused] + LOOPS
 QUICK = {"frames": 20, "hidden": 32, "layers": 2, "repeats": 2, "warmup": 1}  # --quick; flags given still win
 
 
@@ -111,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: torch's default)")
-    p.add_argument("--no-cells", action="store_true", help="skip the slow cell reference")
+    p.add_argument("--no-cells", action="store_true", help="skip the step loops: the cell reference and ln_full")
     quick = ", ".join(f"--{k} {v}" for k, v in QUICK.items())
     p.add_argument("--quick", action="store_true", help=f"a tiny run to check the script in seconds: {quick}")
     p.add_argument("--amp", action="store_true", help="bf16 autocast, as train.amp on CUDA (default: float32)")
@@ -127,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     lengths = torch.full((args.batch,), args.frames, device=device)
     if args.ragged:
         lengths = torch.linspace(args.frames // 2, args.frames, args.batch, device=device).long()
-    variants = [v for v in VARIANTS if not (args.no_cells and v[1] is Impl.cells)]
+    variants = [v for v in VARIANTS if not (args.no_cells and v in LOOPS)]
     rows = []
     rnns = args.rnn.split(",")
     started = time.perf_counter()
@@ -155,7 +159,8 @@ def main(argv: list[str] | None = None) -> None:
         base = (BNMode.none, Impl.fused)
         for v in variants:
             ms = 1000 * statistics.median(times[v])
-            rows.append({"rnn": rnn, "bn": v[0].value, "impl": v[1].value, "ms": round(ms, 2),
+            loop = models[v].layers[0].step_loop
+            rows.append({"rnn": rnn, "bn": v[0].value, "impl": v[1].value, "loop": loop, "ms": round(ms, 2),
                          "peak_mb": round(mem[v], 1), "time_ratio": round(ms / (1000 * statistics.median(times[base])), 3),
                          "mem_ratio": round(mem[v] / mem[base], 3)})
     print(f"device {device} ({torch.get_num_threads()} threads), torch {torch.__version__}, batch {args.batch}, "
@@ -163,8 +168,9 @@ def main(argv: list[str] | None = None) -> None:
           f"bidirectional, {'bf16 autocast' if args.amp else 'float32'}, "
           f"{'ragged' if args.ragged else 'full'} lengths, median of {args.repeats} interleaved rounds")
     print(f"{'rnn':5} {'bn':8} {'impl':6} {'ms':>9} {'peak MB':>9} {'time x':>7} {'mem x':>7}")
-    for r in rows:
-        print(f"{r['rnn']:5} {r['bn']:8} {r['impl']:6} {r['ms']:9.1f} {r['peak_mb']:9.1f} "
+    for r in rows:  # ln_full's impl is its only one, a step loop: "loop" says so where "fused" would not
+        impl = "loop" if r["loop"] and r["impl"] == Impl.fused.value else r["impl"]
+        print(f"{r['rnn']:5} {r['bn']:8} {impl:6} {r['ms']:9.1f} {r['peak_mb']:9.1f} "
               f"{r['time_ratio']:7.2f} {r['mem_ratio']:7.2f}")
     for r in rows:
         print(json.dumps(r | {"device": device.type, "amp": args.amp}))

@@ -42,6 +42,9 @@ def test_unknown_variant_names_key_value_and_choices(make_config, key, value):
         (["data.val_fraction=1.5"], "data.val_fraction"),
         (["model.impl=cells", "model.bn=post"], "model.impl=cells with model.bn=post"),
         (["model.share_input_weights=true", "model.bn=none"], "model.share_input_weights"),
+        (["model.impl=cells", "model.bn=ln_full"], "model.impl=cells with model.bn=ln_full"),
+        (["model.weight_norm_recurrent=true", "model.bn=seqwise"],
+         "model.weight_norm_recurrent=true with model.bn=seqwise"),
     ],
 )
 def test_impossible_values_are_refused(make_config, overrides, match):

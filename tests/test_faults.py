@@ -263,7 +263,8 @@ def test_label_too_long_for_ctc_is_left_out_counted_and_logged(handled):
 # -- config ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("key,value,allowed", [("model.rnn", "transformer", "[gru, lstm, rnn]"),
-                                               ("model.bn", "layer", "[none, post, input, skip, seqwise]")])
+                                               ("model.bn", "layer",
+                                                "[none, post, input, skip, seqwise, ln, ln_full, wn]")])
 def test_unknown_variant_on_the_command_line(tmp_path, key, value, allowed):
     run = cli(f"{key}={value}", f"hydra.run.dir={tmp_path / 'run'}", timeout=60)
     assert run.returncode != 0 and "Traceback" not in run.stderr
@@ -273,7 +274,7 @@ def test_unknown_variant_on_the_command_line(tmp_path, key, value, allowed):
 
 @pytest.mark.parametrize("overrides,message", [
     (["model.impl=cells", "model.bn=post"], "model.impl=cells with model.bn=post: the cell reference exists for "
-                                            "model.bn=seqwise only; use model.impl=fused"),
+                                            "model.bn=seqwise|ln|wn only; use model.impl=fused"),
     (["train.max_skipped_steps=0"], "train.max_skipped_steps=0: must be positive"),
 ])
 def test_impossible_value_on_the_command_line(tmp_path, overrides, message):

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from batchrnn.config import BNMode
 from batchrnn.model import build_recurrent_layer
 from batchrnn.train import train
 
@@ -12,10 +13,12 @@ pytestmark = [
 
 
 @pytest.mark.parametrize("rnn", ["gru", "lstm"])
-def test_seqwise_fused_matches_cells_on_cuda(rnn):
+@pytest.mark.parametrize("bn", ["seqwise", "ln", "wn"])
+def test_fused_matches_cells_on_cuda(rnn, bn):
+    """cuDNN through nn.GRU/nn.LSTM (which flattens the weights it is handed in place), both directions."""
     torch.manual_seed(0)
-    cells = build_recurrent_layer(rnn, "seqwise", 16, 8, impl="cells").double().cuda()
-    fused = build_recurrent_layer(rnn, "seqwise", 16, 8, impl="fused").double().cuda()
+    cells = build_recurrent_layer(rnn, bn, 16, 8, impl="cells").double().cuda()
+    fused = build_recurrent_layer(rnn, bn, 16, 8, impl="fused").double().cuda()
     fused.load_state_dict(cells.state_dict())
     x = torch.randn(12, 4, 16, dtype=torch.float64, device="cuda", requires_grad=True)
     lengths = torch.tensor([12, 9, 5, 1], device="cuda")
@@ -24,6 +27,17 @@ def test_seqwise_fused_matches_cells_on_cuda(rnn):
     gs = [torch.autograd.grad(y.sum(), [x, *m.parameters()]) for y, m in zip(ys, (cells, fused))]
     for a, b in zip(*gs):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-9)
+
+
+@pytest.mark.parametrize("bn", [b.value for b in BNMode])
+def test_every_variant_runs_under_bf16_autocast_on_cuda(bn):
+    torch.manual_seed(0)
+    m = build_recurrent_layer("lstm", bn, 16, 8).cuda()
+    x = torch.randn(12, 4, 16, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = m(x, torch.tensor([12, 9, 5, 1], device="cuda"))
+    y.float().square().sum().backward()
+    assert torch.isfinite(x.grad).all() and all(torch.isfinite(p.grad).all() for p in m.parameters())
 
 
 @pytest.mark.parametrize("bn", ["none", "seqwise"])

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from batchrnn.config import to_container
-from batchrnn.protocol import ProtocolError, choose_lrs, mismatch, run_name, tuned_lr
+from batchrnn.protocol import ProtocolError, choose_lrs, mismatch, run_name, setting_key, tuned_lr, variant_key
 from batchrnn.rundir import RESULTS, read_study
 from conftest import ROOT
 
@@ -37,6 +37,7 @@ def test_a_setting_added_later_with_its_default_keeps_old_names_and_folders(conf
     older = json.loads(json.dumps(now))
     del older["train"]["spec_augment"]  # as written by a version before the setting existed
     assert run_name(older) == run_name(now) and mismatch(older, now) == []
+    assert setting_key(older) == setting_key(now) and variant_key(older) == variant_key(now)  # one setting
     assert mismatch(config("train.lr=1e-3"), now) == ["train.lr"]
 
 

@@ -23,6 +23,9 @@ class BNMode(str, Enum):
     input = "input"  # sequence-wise BN on the layer's input, then a fused RNN (deepspeech.pytorch)
     skip = "skip"  # cuDNN skip-input: one BN(W x) of size H added to every gate
     seqwise = "seqwise"  # exact DS2: BN(W x) of size gates x H inside the recurrence
+    ln = "ln"  # LayerNorm of W x over one frame's gates x H inside the recurrence, folded into the fused kernel
+    ln_full = "ln_full"  # Ba et al.'s LayerNorm LSTM/GRU: LN of W x, of U h and (LSTM) of the cell; a step loop
+    wn = "wn"  # weight normalisation of W's rows (and U's, model.weight_norm_recurrent), folded into the kernel
 
 
 class CorpusName(str, Enum):
@@ -37,8 +40,8 @@ class Stage(str, Enum):
 
 
 class Impl(str, Enum):
-    fused = "fused"  # the library's fused RNN kernel (cuDNN on CUDA)
-    cells = "cells"  # a Python loop over time with autograd cells: the slow reference
+    fused = "fused"  # the library's fused RNN kernel (cuDNN on CUDA); for ln_full, which has no other, its step loop
+    cells = "cells"  # a Python loop over time with autograd cells: the slow reference (seqwise, ln, wn)
 
 
 class Device(str, Enum):
@@ -94,14 +97,18 @@ class ConvLayer:
 class ModelConfig:
     rnn: RNNType = RNNType.gru
     bn: BNMode = BNMode.none
-    # Implementation where a variant has several (seqwise: fused or cells); ignored otherwise.
+    # Implementation where a variant has several (seqwise, ln, wn: fused or cells); ignored otherwise.
     impl: Impl = Impl.fused
     hidden_size: int = 256
     num_layers: int = 3
     # DS2 sums the two directions, so the next layer's input stays hidden_size wide.
     bidirectional: bool = True
-    # DS2 shares the input weights W between the two directions (seqwise and skip only).
+    # DS2 shares the input weights W between the two directions (variants with an input projection of
+    # their own: skip, seqwise, ln, ln_full, wn).
     share_input_weights: bool = False
+    # model.bn=wn only: weight-normalise the recurrent weights U too (Salimans & Kingma normalise every
+    # weight). Off by default, so that wn, like the other variants, changes only how x enters the gates.
+    weight_norm_recurrent: bool = False
     # deepspeech.pytorch's front end: time stride 2 in all.
     conv: list[ConvLayer] = field(
         default_factory=lambda: [ConvLayer(32, 41, 11, 2, 2), ConvLayer(32, 21, 11, 2, 1)]
@@ -252,19 +259,27 @@ def validate(cfg: Config | DictConfig) -> None:
 
 
 def check_variant(m: ModelConfig | DictConfig) -> None:
-    """The combinations of model settings that have no layer; the one place these rules live."""
+    """The combinations of model settings that have no layer; the one place these rules live. Each layer
+    class says what it takes (`impls`, `switches` in batchrnn.rnn), so a new variant needs no rule here."""
+    from batchrnn.rnn import LAYERS  # here, not at the top: batchrnn.rnn imports this module
+
     bn = BNMode(m.bn)
-    if m.share_input_weights and bn not in (BNMode.seqwise, BNMode.skip):
-        raise ConfigError(
-            f"model.share_input_weights=true with model.bn={bn.value}: sharing W between "
-            "directions needs a separate input projection, allowed with model.bn=seqwise or skip"
-        )
+    layer = LAYERS[bn]
+    why = {"share_input_weights": "sharing W between directions needs a separate input projection",
+           "weight_norm_recurrent": "only the weight-norm variant normalises U"}
+    for switch, reason in why.items():
+        if getattr(m, switch) and switch not in layer.switches:
+            allowed = "|".join(b.value for b, c in LAYERS.items() if switch in c.switches)
+            raise ConfigError(f"model.{switch}=true with model.bn={bn.value}: {reason}, allowed with "
+                              f"model.bn={allowed}")
     if m.share_input_weights and not m.bidirectional:
         raise ConfigError("model.share_input_weights=true needs model.bidirectional=true")
-    if Impl(m.impl) is Impl.cells and bn is not BNMode.seqwise:
+    impl = Impl(m.impl)
+    if impl not in layer.impls:
+        allowed = "|".join(b.value for b, c in LAYERS.items() if impl in c.impls)
         raise ConfigError(
-            f"model.impl=cells with model.bn={bn.value}: the cell reference exists for "
-            "model.bn=seqwise only; use model.impl=fused"
+            f"model.impl={impl.value} with model.bn={bn.value}: the cell reference exists for "
+            f"model.bn={allowed} only; use model.impl=fused"
         )
 
 

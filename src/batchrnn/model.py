@@ -7,16 +7,15 @@ from batchrnn.rnn import LAYERS, MaskedBatchNorm, RecurrentLayer
 
 
 def build_recurrent_layer(rnn: str, bn: str, input_size: int, hidden_size: int, bidirectional: bool = True,
-                          impl: str = "fused", share_input_weights: bool = False) -> RecurrentLayer:
+                          impl: str = "fused", share_input_weights: bool = False,
+                          weight_norm_recurrent: bool = False) -> RecurrentLayer:
     """One recurrent layer of the variant (rnn, bn): forward(x (T, N, input_size), lengths (N,)) ->
-    (T, N, hidden_size), directions summed. `impl` picks seqwise's implementation (fused or cells)."""
-    variant = ModelConfig(rnn=RNNType(rnn), bn=BNMode(bn), impl=Impl(impl), bidirectional=bidirectional,
-                          share_input_weights=share_input_weights)
+    (T, N, hidden_size), directions summed. The other settings are ModelConfig's, which the layer reads."""
+    variant = ModelConfig(rnn=RNNType(rnn), bn=BNMode(bn), impl=Impl(impl), hidden_size=hidden_size,
+                          bidirectional=bidirectional, share_input_weights=share_input_weights,
+                          weight_norm_recurrent=weight_norm_recurrent)
     check_variant(variant)  # the combinations without a layer, refused where the config is checked too
-    kwargs = {"share_input_weights": True} if share_input_weights else {}
-    if variant.bn is BNMode.seqwise:
-        kwargs["impl"] = variant.impl
-    return LAYERS[variant.bn](rnn, input_size, hidden_size, bidirectional, **kwargs)
+    return LAYERS[variant.bn](variant, input_size)
 
 
 def conv_output_length(lengths: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
@@ -68,7 +67,8 @@ class DeepSpeech2(nn.Module):
         sizes = [self.front_end.output_size] + [cfg.hidden_size] * cfg.num_layers
         self.rnns = nn.ModuleList(
             build_recurrent_layer(cfg.rnn, cfg.bn, d_in, cfg.hidden_size, cfg.bidirectional,
-                                  impl=cfg.impl, share_input_weights=cfg.share_input_weights)
+                                  impl=cfg.impl, share_input_weights=cfg.share_input_weights,
+                                  weight_norm_recurrent=cfg.weight_norm_recurrent)
             for d_in in sizes[:-1]
         )
         self.head = nn.Linear(cfg.hidden_size, num_classes)

@@ -46,6 +46,12 @@ def default_settings() -> dict:
     return _DEFAULTS
 
 
+def known_settings(config: dict) -> dict:
+    """settings(config) with the schema's default for each setting the config lacks (one added to the schema
+    after it was written), so that runs from before and after a new setting are one setting."""
+    return default_settings() | settings(config)
+
+
 def canonical(values: dict) -> str:
     return json.dumps(values, sort_keys=True, separators=(",", ":"))
 
@@ -70,7 +76,7 @@ def mismatch(stored: dict, current: dict) -> list[str]:
 
 def setting_key(config: dict, without: tuple[str, ...] = (SEED,)) -> str:
     """Runs with equal keys are repetitions of one setting: by default, seeds of one configuration."""
-    return canonical({k: v for k, v in settings(config).items() if k not in without})
+    return canonical({k: v for k, v in known_settings(config).items() if k not in without})
 
 
 def variant_key(config: dict) -> str:

@@ -1,25 +1,29 @@
 """Recurrent layers: one class per model.bn variant, all over the same bidirectional machinery.
 
 Every layer maps x (T, N, D) and lengths (N,) to (T, N, H) with the directions summed (DS2), zero on
-padded frames. The backward direction reads each sequence reversed within its own length, so padding
-never reaches a valid frame, and the library's fused kernels run on padded input (no PackedSequence,
-which was 2.3x slower on the CPU).
+padded frames. RecurrentLayer owns what every variant shares: the directions (the backward one reads each
+sequence reversed within its own length, so padding never reaches a valid frame and the fused kernels run
+on padded input, without PackedSequence, which was 2.3x slower on the CPU), the masking, and the backend:
+torch's fused kernel, or a step loop written out with autograd.
 
-How x enters the gates is all that differs between variants. Each gives, per direction, an effective
-input weight and bias (W', b') with gate pre-activations W' x + b'. For sequence-wise BN of W x that is
-the fold BN(W x) = diag(s) W x + (beta - s mu), s = gamma / sqrt(var + eps), with mu and var the
-moments of W x over valid frames, computed through E[x x^T] or W x, whichever is cheaper for the
-batch: exact either way, and autograd differentiates through s and mu.
+A variant supplies only what it changes: a transform of the layer's input or output (BN), a fold (per
+direction the kernel's input weight and bias (W', b') and optionally one scale per frame of x: BN(W x),
+LN(W x) and weight norm all fold exactly, autograd differentiating through the fold), or, for the step
+loop, the gate pre-activations of x and the recurrence (ln_full; the cells references).
 """
+import functools
 import math
+from typing import Callable, NamedTuple
 
 import torch
-from torch import _VF, nn
+import torch.nn.functional as F
+from torch import nn
 
-from batchrnn.config import BNMode, Impl, RNNType
+from batchrnn.config import BNMode, Impl, ModelConfig, RNNType
 
 GATES = {RNNType.gru: 3, RNNType.lstm: 4, RNNType.rnn: 1}
 RELU_CLIP = 20.0  # DS2's clipped ReLU: min(max(x, 0), 20)
+LN_EPS = 1e-5  # nn.LayerNorm's
 
 
 def valid_mask(lengths: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
@@ -46,7 +50,7 @@ def full_precision(t: torch.Tensor) -> torch.Tensor:
 
 def masked_moments(x: torch.Tensor, mask: torch.Tensor, channel_dim: int):
     """Mean and biased variance per channel over valid positions; mask is 0/1, broadcastable to x."""
-    x = full_precision(x)  # statistics in float32 even under autocast
+    x, mask = full_precision(x), full_precision(mask)  # statistics in float32 even under autocast
     dims = [d for d in range(x.dim()) if d != channel_dim % x.dim()]
     count = mask.sum() * math.prod(x.shape[d] for d in dims if mask.shape[d] == 1)
     mean = (x * mask).sum(dims, keepdim=True) / count
@@ -69,22 +73,48 @@ class Gram(torch.autograd.Function):
         return x @ (grad + grad.t())
 
 
-def cheaper_route(frames: int, d: int, copies: int, width: int) -> str:
-    """Fewer multiply-adds (forward and backward) for the moments of W x: "gram" goes through
-    E[x x^T] (2 D^2 per frame, then 3 copies x width x D^2 per batch), "direct" computes W x
-    (3 copies x width x D per frame). Long batches favour gram, short ones with a wide input direct."""
-    gram = 2 * d * d * frames + 3 * copies * width * d * d
+class QuadraticForm(torch.autograd.Function):
+    """x_f^T M_c x_f for every row x_f of x (F, D) and every symmetric M_c of m (C, D, D): (C, F). The
+    backward reuses the forward's x M for x's gradient (2 M x), so it costs one D^2 product per row (M's
+    gradient), where autograd would do two. The LN fold's |W_c x|^2, through M = W_c^T W_c."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        xm = x @ m  # (C, F, D)
+        ctx.save_for_backward(x, xm)
+        return (xm * x).sum(-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, xm = ctx.saved_tensors
+        grad_x = 2 * torch.einsum("cf,cfd->fd", grad, xm)
+        grad_m = (grad[..., None] * x).transpose(1, 2) @ x  # (C, D, F) @ (F, D)
+        return grad_x, grad_m
+
+
+def cheaper_route(frames: int, d: int, copies: int, width: int, grams: int = 1) -> str:
+    """Fewer multiply-adds (forward and backward) for a statistic of W x (copies, width, D) over a batch.
+    "gram" goes through D x D products: `grams` of them per frame at 2 D^2 each (BN: E[x x^T], one for
+    every copy; LN: x^T W_c^T W_c x, one per copy), then 3 copies x width x D^2 per batch; "direct"
+    computes W x (3 copies x width x D per frame). Long batches favour gram, short ones with a wide input
+    direct."""
+    gram = 2 * grams * d * d * frames + 3 * copies * width * d * d
     return "gram" if gram <= 3 * copies * width * d * frames else "direct"
 
 
-def projected_moments(x: torch.Tensor, w: torch.Tensor, count, route: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and second moment of z = W x over valid frames, each (copies, width); x (frames, D) is zero
-    on padding, w (copies, width, D). Both routes are exact; they differ only in cost."""
-    mean = w @ (x.sum(0) / count)
+def projected_moments(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, route: str):
+    """Mean and variance of z = W x over valid frames, each (copies, width); x (frames, D) is zero on
+    padding, mask (frames, 1), w (copies, width, D). x is centred before its second moment: in float32,
+    E[z^2] - E[z]^2 loses what features with a large mean carry. Both routes are exact; they differ
+    only in cost."""
+    count = mask.sum()
+    mean_x = x.sum(0) / count
+    xc = (x - mean_x) * mask  # (frames, D), still zero on padding
     if route == "gram":
-        return mean, ((w @ (Gram.apply(x) / count)) * w).sum(-1)
-    z = torch.einsum("fd,cwd->fcw", x, w)  # (frames, copies, width)
-    return mean, z.square().sum(0) / count
+        var = ((w @ (Gram.apply(xc) / count)) * w).sum(-1)
+    else:
+        var = torch.einsum("fd,cwd->fcw", xc, w).square().sum(0) / count
+    return w @ mean_x, var
 
 
 class MaskedBatchNorm(nn.Module):
@@ -133,26 +163,24 @@ class MaskedBatchNorm(nn.Module):
         return (x * scale.view(shape).to(x.dtype) + shift.view(shape).to(x.dtype)) * mask
 
 
-def clipped_relu_loop(z: torch.Tensor, w_hh: torch.Tensor, b_hh: torch.Tensor) -> torch.Tensor:
-    """DS2 simple RNN over precomputed input pre-activations z (T, N, H). No fused kernel clips."""
-    h = z.new_zeros(z.shape[1:])
-    out = []
-    for z_t in z:
-        h = torch.clamp(z_t + torch.addmm(b_hh, h, w_hh.t()), 0.0, RELU_CLIP)
-        out.append(h)
-    return torch.stack(out)
+def affine(w: torch.Tensor, b: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """h -> U h + b: the plain recurrent pre-activations."""
+    return lambda h: torch.addmm(b, h, w.t())
 
 
-def cell_loop(rnn: RNNType, z: torch.Tensor, w_hh: torch.Tensor, b_hh: torch.Tensor) -> torch.Tensor:
-    """The autograd-cell reference: the recurrence written out per step, gate order as torch's."""
-    if rnn is RNNType.rnn:
-        return clipped_relu_loop(z, w_hh, b_hh)
-    h = z.new_zeros(z.shape[1], w_hh.shape[1])
+def cell_loop(rnn: RNNType, z: torch.Tensor, recurrent: Callable, cell_norm: Callable | None = None) -> torch.Tensor:
+    """The recurrence written out per step over input pre-activations z (T, N, gates x H), gate order as
+    torch's. recurrent(h) gives the recurrent pre-activations (U h + b; ln_full's LN(U h)); cell_norm
+    normalises the LSTM's cell before its output gate (ln_full). rnn is DS2's clipped ReLU, which no
+    fused kernel has."""
+    h = z.new_zeros(z.shape[1], z.shape[2] // GATES[rnn])
     c = torch.zeros_like(h)
     out = []
     for z_t in z:
-        g_h = torch.addmm(b_hh, h, w_hh.t())
-        if rnn is RNNType.gru:
+        g_h = recurrent(h)
+        if rnn is RNNType.rnn:
+            h = torch.clamp(z_t + g_h, 0.0, RELU_CLIP)
+        elif rnn is RNNType.gru:
             x_r, x_u, x_n = z_t.chunk(3, 1)
             h_r, h_u, h_n = g_h.chunk(3, 1)
             r, u = torch.sigmoid(x_r + h_r), torch.sigmoid(x_u + h_u)
@@ -161,33 +189,63 @@ def cell_loop(rnn: RNNType, z: torch.Tensor, w_hh: torch.Tensor, b_hh: torch.Ten
         else:
             i, f, g, o = (z_t + g_h).chunk(4, 1)
             c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-            h = torch.sigmoid(o) * torch.tanh(c)
+            h = torch.sigmoid(o) * torch.tanh(c if cell_norm is None else cell_norm(c))
         out.append(h)
     return torch.stack(out)
+
+
+KERNELS = {RNNType.gru: nn.GRU, RNNType.lstm: nn.LSTM}
+KERNEL_WEIGHTS = ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0")
+
+
+@functools.cache
+def fused_kernel(rnn: RNNType, input_size: int, hidden_size: int) -> nn.RNNBase:
+    """torch's one-layer, one-direction nn.GRU or nn.LSTM on the meta device: the fused kernel behind a
+    public API, holding no weights of its own (torch.func.functional_call hands it ours)."""
+    return KERNELS[rnn](input_size, hidden_size, device="meta")
 
 
 def fused_recurrence(rnn: RNNType, x, w_ih, b_ih, w_hh, b_hh, training: bool) -> torch.Tensor:
     """One direction over the whole padded batch with the library's fused kernel (cuDNN on CUDA)."""
     if rnn is RNNType.rnn:
-        return clipped_relu_loop(torch.addmm(b_ih, x.flatten(0, 1), w_ih.t()).view(*x.shape[:2], -1), w_hh, b_hh)
-    params = [w_ih, w_hh, b_ih, b_hh]
-    h0 = x.new_zeros(1, x.shape[1], w_hh.shape[1])
-    if rnn is RNNType.gru:
-        return _VF.gru(x, h0, params, True, 1, 0.0, training, False, False)[0]
-    return _VF.lstm(x, (h0, h0), params, True, 1, 0.0, training, False, False)[0]
+        return cell_loop(rnn, torch.addmm(b_ih, x.flatten(0, 1), w_ih.t()).view(*x.shape[:2], -1), affine(w_hh, b_hh))
+    kernel = fused_kernel(rnn, x.shape[-1], w_hh.shape[1]).train(training)
+    # On CUDA the module flattens the weights it is handed into one buffer in place (set_). On a view of a
+    # parameter, or of a fold both directions read, that would bump a version the other direction's
+    # backward checks; copies keep them out of it (the weights only, next to the kernel's own copy).
+    weights = dict(zip(KERNEL_WEIGHTS, (t.clone() for t in (w_ih, w_hh, b_ih, b_hh))))
+    return torch.func.functional_call(kernel, weights, (x,))[0]
+
+
+class InputFold(NamedTuple):
+    """How x enters one direction's fused kernel: gate pre-activations W' (x * frame_scale) + b'."""
+    weight: torch.Tensor  # W' (gates x H, D)
+    bias: torch.Tensor  # b' (gates x H,)
+    frame_scale: torch.Tensor | None = None  # (T, N, 1), one scalar per frame (LN), or None
 
 
 class RecurrentLayer(nn.Module):
-    """Shared machinery: recurrent weights per direction, direction handling, padding."""
+    """The shared machinery: recurrent weights per direction, directions and reversal, padding, backend.
 
-    def __init__(self, rnn: str, input_size: int, hidden_size: int, bidirectional: bool = True):
+    A variant overrides what it changes: input_transform / output_transform (the layer's input or output);
+    input_folds (per direction an InputFold, for the fused kernel); input_preactivations (per direction
+    z (T, N, gates x H), for the step loop: impl=cells, or a variant with no fused route);
+    recurrent_weights and recurrence (what U is; the step loop's recurrence). Its class attributes say
+    which model settings it takes (config.check_variant reads them).
+    """
+
+    impls: tuple[Impl, ...] = (Impl.fused,)  # model.impl values; cells where a step-by-step reference exists
+    fused = True  # impl=fused runs torch's fused kernel; False: the variant is a step loop (ln_full)
+    switches: frozenset[str] = frozenset()  # model.share_input_weights, model.weight_norm_recurrent
+
+    def __init__(self, cfg: ModelConfig, input_size: int):
         super().__init__()
-        self.rnn = RNNType(rnn)
-        self.input_size, self.hidden_size = input_size, hidden_size
-        self.directions = 2 if bidirectional else 1
-        gh = GATES[self.rnn] * hidden_size
-        self.weight_hh = nn.Parameter(torch.empty(self.directions, gh, hidden_size))
-        self.bias_hh = nn.Parameter(torch.empty(self.directions, gh))
+        self.rnn, self.impl = RNNType(cfg.rnn), Impl(cfg.impl)
+        self.input_size, self.hidden_size = input_size, cfg.hidden_size
+        self.directions = 2 if cfg.bidirectional else 1
+        self.width = GATES[self.rnn] * cfg.hidden_size  # one direction's gate pre-activations, gates x H
+        self.weight_hh = nn.Parameter(torch.empty(self.directions, self.width, self.hidden_size))
+        self.bias_hh = nn.Parameter(torch.empty(self.directions, self.width))
 
     def reset_parameters(self) -> None:
         # torch's RNN initialisation: U(-1/sqrt(H), 1/sqrt(H)) for every weight and bias.
@@ -195,141 +253,274 @@ class RecurrentLayer(nn.Module):
         for name, p in self.named_parameters(recurse=False):
             nn.init.uniform_(p, -bound, bound)
 
+    @property
+    def step_loop(self) -> bool:
+        return self.impl is Impl.cells or not self.fused
+
     def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         mask = valid_mask(lengths, x.shape[0], x.dtype)  # (T, N, 1)
         x = torch.where(mask.bool(), x, 0.0)  # whatever padded frames hold (even NaN), they contribute nothing
-        return self.recur(x, mask, reverse_index(lengths, x.shape[0])) * mask
-
-    def recur(self, x, mask, rev) -> torch.Tensor:
-        """Default: fused kernel per direction with the weights from input_weights."""
+        rev = reverse_index(lengths, x.shape[0])
+        x = self.input_transform(x, mask)
+        if self.step_loop:
+            inputs = self.input_preactivations(x, mask)  # per direction (T, N, gates x H)
+        else:
+            folds = self.input_folds(x, mask)
+            inputs = [x if f.frame_scale is None else x * f.frame_scale for f in folds]  # per direction (T, N, D)
         out = 0
-        for d, (w_ih, b_ih) in enumerate(self.input_weights(x, mask)):
-            x_d = x if d == 0 else gather_time(x, rev)
-            h = fused_recurrence(self.rnn, x_d, w_ih, b_ih, self.weight_hh[d], self.bias_hh[d], self.training)
-            out = out + (h if d == 0 else gather_time(h, rev))
-        return out
+        for d in range(self.directions):
+            seq = inputs[d] if d == 0 else gather_time(inputs[d], rev)
+            if self.step_loop:
+                h = self.recurrence(seq, d)
+            else:
+                h = fused_recurrence(self.rnn, seq, folds[d].weight, folds[d].bias, *self.recurrent_weights(d),
+                                     self.training)
+            out = out + (h if d == 0 else gather_time(h, rev))  # (T, N, H)
+        return self.output_transform(out, mask) * mask
 
-    def input_weights(self, x, mask) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def input_transform(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def output_transform(self, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return y
+
+    def input_folds(self, x: torch.Tensor, mask: torch.Tensor) -> list[InputFold]:
         raise NotImplementedError
+
+    def input_preactivations(self, x: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def recurrent_weights(self, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.weight_hh[d], self.bias_hh[d]
+
+    def recurrence(self, z: torch.Tensor, d: int) -> torch.Tensor:
+        return cell_loop(self.rnn, z, affine(*self.recurrent_weights(d)))
 
 
 class PlainLayer(RecurrentLayer):
     """bn=none: the fused RNN as it comes, W x + b into every gate."""
 
-    def __init__(self, rnn, input_size, hidden_size, bidirectional=True):
-        super().__init__(rnn, input_size, hidden_size, bidirectional)
-        gh = GATES[self.rnn] * hidden_size
-        self.weight_ih = nn.Parameter(torch.empty(self.directions, gh, input_size))
-        self.bias_ih = nn.Parameter(torch.empty(self.directions, gh))
+    def __init__(self, cfg: ModelConfig, input_size: int):
+        super().__init__(cfg, input_size)
+        self.weight_ih = nn.Parameter(torch.empty(self.directions, self.width, input_size))
+        self.bias_ih = nn.Parameter(torch.empty(self.directions, self.width))
         self.reset_parameters()
 
-    def input_weights(self, x, mask):
-        return list(zip(self.weight_ih, self.bias_ih))
+    def input_folds(self, x, mask):
+        return [InputFold(w, b) for w, b in zip(self.weight_ih, self.bias_ih)]
 
 
 class PostBNLayer(PlainLayer):
     """bn=post: sequence-wise BN on the layer's output (directions summed)."""
 
-    def __init__(self, rnn, input_size, hidden_size, bidirectional=True):
-        super().__init__(rnn, input_size, hidden_size, bidirectional)
-        self.bn = MaskedBatchNorm(hidden_size)
+    def __init__(self, cfg: ModelConfig, input_size: int):
+        super().__init__(cfg, input_size)
+        self.bn = MaskedBatchNorm(self.hidden_size)
 
-    def recur(self, x, mask, rev):
-        return self.bn(super().recur(x, mask, rev), mask)
+    def output_transform(self, y, mask):
+        return self.bn(y, mask)
 
 
 class InputBNLayer(PlainLayer):
     """bn=input: sequence-wise BN on x, then the fused RNN (deepspeech.pytorch's approximation)."""
 
-    def __init__(self, rnn, input_size, hidden_size, bidirectional=True):
-        super().__init__(rnn, input_size, hidden_size, bidirectional)
+    def __init__(self, cfg: ModelConfig, input_size: int):
+        super().__init__(cfg, input_size)
         self.bn = MaskedBatchNorm(input_size)
 
-    def recur(self, x, mask, rev):
-        return super().recur(self.bn(x, mask), mask, rev)
+    def input_transform(self, x, mask):
+        return self.bn(x, mask)
 
 
-class ProjectedBNLayer(RecurrentLayer):
-    """BN(W x) folded into the fused kernel's input weights; W optionally shared by both directions.
+class ProjectedLayer(RecurrentLayer):
+    """A variant whose input projection is its own, (copies, width, D): a copy per direction, or one that
+    both directions read with model.share_input_weights (DS2)."""
 
-    `width` is the normalised projection's size per direction: gates x H (seqwise) or H (skip).
-    """
+    switches = frozenset({"share_input_weights"})
 
-    def __init__(self, rnn, input_size, hidden_size, bidirectional, width, share_input_weights):
-        super().__init__(rnn, input_size, hidden_size, bidirectional)
-        self.share_input_weights = share_input_weights
-        copies = 1 if share_input_weights else self.directions
-        self.weight_ih = nn.Parameter(torch.empty(copies, width, input_size))
+    def __init__(self, cfg: ModelConfig, input_size: int):
+        super().__init__(cfg, input_size)
+        self.share_input_weights = cfg.share_input_weights
+        self.copies = 1 if cfg.share_input_weights else self.directions
+        self.copy_of = [0 if cfg.share_input_weights else d for d in range(self.directions)]  # per direction
+
+
+class ProjectedBNLayer(ProjectedLayer):
+    """BN(W x) folded into the fused kernel's input weights. `width` is the normalised projection's size
+    per direction: gates x H (seqwise) or H (skip)."""
+
+    def __init__(self, cfg: ModelConfig, input_size: int, width: int):
+        super().__init__(cfg, input_size)
+        self.weight_ih = nn.Parameter(torch.empty(self.copies, width, input_size))
         self.reset_parameters()
         # BN's beta replaces the input bias, as in DS2.
-        self.bn = MaskedBatchNorm(copies * width)
+        self.bn = MaskedBatchNorm(self.copies * width)
 
     def projection_fold(self, x, mask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """W (copies, width, D) and BN(W x)'s scale and shift, each (copies, width)."""
         w = self.weight_ih
         if self.training:
-            # Statistics in float32 even under autocast: E[z^2] - E[z]^2 in bf16 would be noise.
+            # Statistics in float32 even under autocast: E[(z - E[z])^2] in bf16 would be noise.
             with torch.autocast(x.device.type, enabled=False):
                 xf, wf = full_precision(x.flatten(0, 1)), full_precision(w)  # (T*N, D), zero on padding
-                count = mask.sum()
-                mean, second = projected_moments(xf, wf, count, cheaper_route(*xf.shape, *wf.shape[:2]))
-                stats = (mean.flatten(), (second - mean.square()).flatten(), count)
+                mf = full_precision(mask.flatten(0, 1))  # (T*N, 1); a bf16 count would round
+                mean, var = projected_moments(xf, wf, mf, cheaper_route(*xf.shape, *wf.shape[:2]))
+                stats = (mean.flatten(), var.flatten(), mf.sum())
         else:
             stats = (None, None, 0)
         scale, shift = self.bn.fold(*stats)
         return w, scale.view(w.shape[:2]), shift.view(w.shape[:2])
 
-    def direction_copy(self, d: int) -> int:
-        return 0 if self.share_input_weights else d
-
 
 class SkipBNLayer(ProjectedBNLayer):
     """bn=skip: cuDNN skip-input; one BN(W x) of size H added to every gate. Exact DS2 for rnn."""
 
-    def __init__(self, rnn, input_size, hidden_size, bidirectional=True, share_input_weights=False):
-        super().__init__(rnn, input_size, hidden_size, bidirectional, hidden_size, share_input_weights)
+    def __init__(self, cfg: ModelConfig, input_size: int):
+        super().__init__(cfg, input_size, cfg.hidden_size)
 
-    def input_weights(self, x, mask):
+    def input_folds(self, x, mask):
         w, scale, shift = self.projection_fold(x, mask)
         g = GATES[self.rnn]
-        out = []
-        for d in range(self.directions):
-            k = self.direction_copy(d)
-            out.append(((scale[k, :, None] * w[k]).repeat(g, 1), shift[k].repeat(g)))
-        return out
+        return [InputFold((scale[k, :, None] * w[k]).repeat(g, 1), shift[k].repeat(g)) for k in self.copy_of]
 
 
 class SeqwiseBNLayer(ProjectedBNLayer):
     """bn=seqwise: exact DS2, h_t = f(BN(W x_t) + U h_{t-1}), each gate its own slice of BN(W x).
 
-    impl=fused folds the BN into the fused kernel; impl=cells runs the explicit recurrence with
-    autograd cells (the slow reference). Both hold the same parameters under the same names.
+    impl=fused folds the BN into the fused kernel; impl=cells normalises W x as written and runs the
+    recurrence with autograd cells (the slow reference). Both hold the same parameters under the same names.
     """
 
-    def __init__(self, rnn, input_size, hidden_size, bidirectional=True, share_input_weights=False,
-                 impl: str = "fused"):
-        width = GATES[RNNType(rnn)] * hidden_size
-        super().__init__(rnn, input_size, hidden_size, bidirectional, width, share_input_weights)
-        self.impl = Impl(impl)
+    impls = (Impl.fused, Impl.cells)
 
-    def input_weights(self, x, mask):
+    def __init__(self, cfg: ModelConfig, input_size: int):
+        super().__init__(cfg, input_size, GATES[RNNType(cfg.rnn)] * cfg.hidden_size)
+
+    def input_folds(self, x, mask):
         w, scale, shift = self.projection_fold(x, mask)
-        return [(scale[k, :, None] * w[k], shift[k]) for k in map(self.direction_copy, range(self.directions))]
+        return [InputFold(scale[k, :, None] * w[k], shift[k]) for k in self.copy_of]
 
-    def recur(self, x, mask, rev):
-        if self.impl is Impl.fused:
-            return super().recur(x, mask, rev)
-        copies = self.weight_ih.shape[0]
+    def input_preactivations(self, x, mask):
         z = torch.einsum("tnd,cgd->tncg", x, self.weight_ih).flatten(2)  # (T, N, copies*G*H)
-        z = self.bn(z, mask).view(*z.shape[:2], copies, -1)
-        out = 0
-        for d in range(self.directions):
-            z_d = z[:, :, self.direction_copy(d)]
-            if d == 1:
-                z_d = gather_time(z_d, rev)
-            h = cell_loop(self.rnn, z_d, self.weight_hh[d], self.bias_hh[d])
-            out = out + (h if d == 0 else gather_time(h, rev))
-        return out
+        z = self.bn(z, mask).view(*z.shape[:2], self.copies, -1)
+        return [z[:, :, k] for k in self.copy_of]
+
+
+class LayerNormLayer(ProjectedLayer):
+    """bn=ln: LayerNorm of W x over one frame's gates x H, h_t = f(LN(W x_t) + U h_{t-1}), folded into
+    the fused kernel, exact.
+
+    With W_c = W minus the mean of its rows, W_c x = W x - mean(W x), so LN(W x) = diag(gain) W_c (x /
+    sigma(x)) + bias with sigma(x)^2 = |W_c x|^2 / K + eps, K = gates x H: the kernel gets W' = diag(gain)
+    W_c, b' = bias, and x scaled by one scalar per frame. |W_c x|^2 comes from x^T (W_c^T W_c) x or from
+    W_c x, whichever is cheaper for the batch; autograd carries the gradient through sigma. impl=cells
+    computes LN(W x) as written (the reference).
+    """
+
+    impls = (Impl.fused, Impl.cells)
+
+    def __init__(self, cfg: ModelConfig, input_size: int):
+        super().__init__(cfg, input_size)
+        self.weight_ih = nn.Parameter(torch.empty(self.copies, self.width, input_size))
+        self.gain_ih = nn.Parameter(torch.empty(self.copies, self.width))
+        self.bias_ih = nn.Parameter(torch.empty(self.copies, self.width))  # LN's shift replaces the input bias
+        self.reset_parameters()
+        nn.init.ones_(self.gain_ih)
+        nn.init.zeros_(self.bias_ih)
+
+    def input_folds(self, x, mask):
+        wc = self.weight_ih - self.weight_ih.mean(1, keepdim=True)  # (copies, K, D), rows centred
+        with torch.autocast(x.device.type, enabled=False):  # sigma in float32 even under autocast
+            xf, wcf = full_precision(x.flatten(0, 1)), full_precision(wc)  # (T*N, D), zero on padding
+            if cheaper_route(*xf.shape, *wcf.shape[:2], grams=self.copies) == "gram":
+                square = QuadraticForm.apply(xf, wcf.transpose(1, 2) @ wcf)  # (copies, T*N): |W_c x|^2
+            else:
+                square = (xf @ wcf.transpose(1, 2)).square().sum(-1)
+            inv_sigma = torch.rsqrt(square.clamp_min(0) / self.width + LN_EPS).view(self.copies, *x.shape[:2], 1)
+        return [InputFold(self.gain_ih[k, :, None] * wc[k], self.bias_ih[k], inv_sigma[k].to(x.dtype))
+                for k in self.copy_of]
+
+    def input_preactivations(self, x, mask):
+        return [F.layer_norm(x @ self.weight_ih[k].t(), (self.width,), self.gain_ih[k], self.bias_ih[k], LN_EPS)
+                for k in self.copy_of]
+
+
+class FullLayerNormLayer(LayerNormLayer):
+    """bn=ln_full: Ba et al.'s (2016) LayerNorm LSTM and GRU, a step loop (no fused kernel normalises U h).
+
+    LSTM (their eq. 20-22): (i, f, g, o) = LN(W x_t) + LN(U h_{t-1}), c_t = s(f) c_{t-1} + s(i) tanh(g),
+    h_t = s(o) tanh(LN(c_t)). GRU, the same rule on torch's gates, each LN over all gates of its term:
+    a = LN(W x_t), b = LN(U h_{t-1}), r = s(a_r + b_r), u = s(a_u + b_u), n = tanh(a_n + r b_n),
+    h_t = (1 - u) n + u h_{t-1}. rnn: h_t = clip(LN(W x_t) + LN(U h_{t-1})). Each LN has its gain and
+    shift: W x's are ln's (gain_ih, bias_ih), U h's gain_hh and bias_hh, the LSTM cell's gain_cell and
+    bias_cell.
+    """
+
+    impls = (Impl.fused,)  # one implementation, its step loop; model.impl stays at its default
+    fused = False
+
+    def __init__(self, cfg: ModelConfig, input_size: int):
+        super().__init__(cfg, input_size)
+        self.gain_hh = nn.Parameter(torch.ones(self.directions, self.width))
+        if self.rnn is RNNType.lstm:
+            self.gain_cell = nn.Parameter(torch.ones(self.directions, self.hidden_size))
+            self.bias_cell = nn.Parameter(torch.zeros(self.directions, self.hidden_size))
+
+    def recurrence(self, z, d):
+        w_hh, b_hh = self.recurrent_weights(d)
+        gain_hh = self.gain_hh[d]
+
+        def recurrent(h):
+            return F.layer_norm(h @ w_hh.t(), (self.width,), gain_hh, b_hh, LN_EPS)
+
+        def cell_norm(c):
+            return F.layer_norm(c, (self.hidden_size,), self.gain_cell[d], self.bias_cell[d], LN_EPS)
+
+        return cell_loop(self.rnn, z, recurrent, cell_norm if self.rnn is RNNType.lstm else None)
+
+
+def weight_norm(g: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Salimans & Kingma's w = g v / |v|, per row: g (..., rows), v (..., rows, columns)."""
+    return g[..., None] * v / torch.linalg.vector_norm(v, dim=-1, keepdim=True)
+
+
+class WeightNormLayer(ProjectedLayer):
+    """bn=wn: weight normalisation (Salimans & Kingma 2016) of W, each output unit's row w = g v / |v|,
+    folded into the fused kernel's input weights: exact, and no statistics. With
+    model.weight_norm_recurrent=true, U's rows the same way. impl=cells projects x with v and scales by
+    g / |v| after (the reference)."""
+
+    impls = (Impl.fused, Impl.cells)
+    switches = ProjectedLayer.switches | {"weight_norm_recurrent"}
+
+    def __init__(self, cfg: ModelConfig, input_size: int):
+        super().__init__(cfg, input_size)
+        self.weight_norm_recurrent = cfg.weight_norm_recurrent
+        if self.weight_norm_recurrent:  # U's rows become v and g
+            self.weight_hh_v = self.weight_hh
+            del self.weight_hh
+            self.weight_hh_g = nn.Parameter(torch.empty(self.directions, self.width))
+        self.weight_ih_v = nn.Parameter(torch.empty(self.copies, self.width, input_size))
+        self.weight_ih_g = nn.Parameter(torch.empty(self.copies, self.width))
+        self.bias_ih = nn.Parameter(torch.empty(self.copies, self.width))
+        self.reset_parameters()
+        with torch.no_grad():  # g = |v| at the start, so w = v: torch's initialisation, as weight_norm keeps it
+            self.weight_ih_g.copy_(torch.linalg.vector_norm(self.weight_ih_v, dim=-1))
+            if self.weight_norm_recurrent:
+                self.weight_hh_g.copy_(torch.linalg.vector_norm(self.weight_hh_v, dim=-1))
+
+    def input_folds(self, x, mask):
+        w = weight_norm(self.weight_ih_g, self.weight_ih_v)  # (copies, gates x H, D)
+        return [InputFold(w[k], self.bias_ih[k]) for k in self.copy_of]
+
+    def input_preactivations(self, x, mask):
+        scale = self.weight_ih_g / torch.linalg.vector_norm(self.weight_ih_v, dim=-1)  # (copies, gates x H)
+        return [(x @ self.weight_ih_v[k].t()) * scale[k] + self.bias_ih[k] for k in self.copy_of]
+
+    def recurrent_weights(self, d):
+        if not self.weight_norm_recurrent:
+            return super().recurrent_weights(d)
+        return weight_norm(self.weight_hh_g[d], self.weight_hh_v[d]), self.bias_hh[d]
 
 
 LAYERS: dict[BNMode, type[RecurrentLayer]] = {
@@ -338,4 +529,7 @@ LAYERS: dict[BNMode, type[RecurrentLayer]] = {
     BNMode.input: InputBNLayer,
     BNMode.skip: SkipBNLayer,
     BNMode.seqwise: SeqwiseBNLayer,
+    BNMode.ln: LayerNormLayer,
+    BNMode.ln_full: FullLayerNormLayer,
+    BNMode.wn: WeightNormLayer,
 }

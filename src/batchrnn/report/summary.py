@@ -12,7 +12,7 @@ from pathlib import Path
 
 from batchrnn.config import BNMode, Impl, RNNType
 from batchrnn.config import Stage
-from batchrnn.protocol import LR, SEED, canonical, choose_lrs, setting_key, settings, variant_key
+from batchrnn.protocol import LR, SEED, canonical, choose_lrs, known_settings, setting_key, settings, variant_key
 from batchrnn.report.stats import ALPHA, first_reach, holm, mean_std, paired_bootstrap, utterance_errors
 from batchrnn.rundir import read_study
 
@@ -100,7 +100,7 @@ def build(sweep_dir: Path, now: float | None = None) -> Summary:
 
 
 def run_record(result: dict, now: float) -> dict:
-    s = settings(result["config"])
+    s = known_settings(result["config"])
     return {"seed": s.get(SEED), "status": status_of(result, now), "path": result["path"], "settings": s,
             "epochs": result.get("epochs") or [], "improving_at_cap": bool(result.get("improving_at_cap")),
             "result": result}

@@ -175,12 +175,14 @@ def test_single_seed_has_no_std_and_cli_defaults_out_to_sweep(tmp_path, capsys):
     assert "No paired comparison" in text
 
 
-def test_missing_sweep_is_one_clear_error(tmp_path):
-    with pytest.raises(SystemExit, match="no such folder"):
-        main([str(tmp_path / "nope")])
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(SystemExit, match="no readable results.json"):
-        main([str(tmp_path / "empty")])
+def test_missing_sweep_is_one_clear_error(tmp_path, capsys):
+    for folder, message in (("nope", "no such folder"), ("empty", "no readable results.json")):
+        (tmp_path / "empty").mkdir(exist_ok=True)
+        with pytest.raises(SystemExit) as exit:
+            main([str(tmp_path / folder)])
+        assert exit.value.code == 2  # as every entry point exits on a problem the user can fix
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {tmp_path / folder}: {message}") and err.count("\n") == 1
 
 
 @pytest.fixture

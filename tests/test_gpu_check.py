@@ -36,7 +36,7 @@ def test_dry_run_records_every_planned_step(tmp_path, smoke_root):
         assert all(r["amp"] is amp and r["ms"] > 0 for r in steps[name]["rows"])
     runs = steps["train"]["runs"]
     assert [(r["rnn"], r["bn"]) for r in runs] == [(rnn, bn) for rnn in ("gru", "lstm")
-                                                   for bn in ("none", "input", "seqwise")]
+                                                   for bn in ("none", "input", "seqwise", "ln", "wn")]
     for r in runs:
         assert r["device"] == "cpu" and len(r["epochs"]) == 1
         assert r["epochs"][0]["epoch_time_s"] > 0 and r["epochs"][0]["peak_mem_mb"] > 0

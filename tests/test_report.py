@@ -377,3 +377,15 @@ def test_report_is_logged_to_wandb_as_a_report_run(sweep, tmp_path, capsys):
     assert {k for k, v in logged.items() if v.get("_type") == "image-file"} == {
         f"report/{name.removesuffix('.png')}" for name in PLOTS}
     assert run["summary"]["finished"] == 12 and run["summary"]["significance"].startswith("Significant at")
+
+
+def test_runs_from_several_machines_are_named_and_their_time_ratios_qualified(tmp_path):
+    for seed, host in ((1, "a: Xeon"), (2, "b: EPYC")):
+        for bn in ("none", "seqwise"):
+            write(tmp_path, f"{bn}-{seed}", result(config(bn, seed, 1e-3), set(), [0.9, 0.5]) | {"machine": host})
+    text = write_report(tmp_path).read_text()
+    assert "- Machines: 2 (a: Xeon; b: EPYC)" in text and "time ratios mix machine and variant" in text
+    assert json.loads((tmp_path / "report.json").read_text())["machines"] == ["a: Xeon", "b: EPYC"]
+    for path in tmp_path.rglob("results.json"):  # one machine: no such line
+        path.write_text(json.dumps(json.loads(path.read_text()) | {"machine": "a: Xeon"}))
+    assert "Machines:" not in write_report(tmp_path).read_text()

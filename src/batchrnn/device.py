@@ -1,4 +1,5 @@
 """Where a run computes and how its cost is measured: device choice, autocast, clocks, peak memory."""
+import platform
 import re
 import resource
 from pathlib import Path
@@ -24,6 +25,18 @@ def uses_bf16(t: TrainConfig, device: torch.device) -> bool:
         raise ConfigError("train.cpu_bf16=true: this CPU has no native bf16 (no avx512_bf16 or amx_bf16 in "
                           "/proc/cpuinfo), where bf16 is emulated, slower and changes the numbers; drop it")
     return bool(t.cpu_bf16)
+
+
+def machine(device: torch.device) -> str:
+    """What ran the epochs, to tell whether two runs' times can be compared: host, then CPU or GPU model."""
+    if device.type == "cuda":
+        model = torch.cuda.get_device_name(device)
+    else:
+        try:
+            model = next(line for line in open("/proc/cpuinfo") if line.startswith("model name")).split(":", 1)[1]
+        except (OSError, StopIteration):
+            model = platform.processor() or platform.machine()
+    return f"{platform.node()}: {model.strip()}"
 
 
 def synchronize(device: torch.device) -> None:

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from batchrnn.config import ConfigError, Impl, to_container, validate
 from batchrnn.data import corpus_changes, prepare_corpus
-from batchrnn.device import peak_memory_mb, pick_device, reset_peak_memory, synchronize, uses_bf16
+from batchrnn.device import machine, peak_memory_mb, pick_device, reset_peak_memory, synchronize, uses_bf16
 from batchrnn.features import FeatureSet, collate, load_features, make_batches
 from batchrnn.metrics import error_rates
 from batchrnn.model import DeepSpeech2
@@ -269,7 +269,8 @@ def results_of(cfg: DictConfig, preset: str | None, run: Run, progress: Progress
         # the median epoch: one epoch slowed by a stray process (a test run, a laptop's sleep) moves it little
         "epoch_time_s": statistics.median(times) if times else None,
         "peak_mem_mb": max((r["peak_mem_mb"] for r in progress.history), default=None),
-        "params": run.params, "device": run.device.type, "bf16": run.bf16, "torch_version": torch.__version__,
+        "params": run.params, "device": run.device.type, "machine": machine(run.device), "bf16": run.bf16,
+        "torch_version": torch.__version__,
         "skipped_steps": progress.skipped_steps, "ctc_skipped_utterances": run.ctc_skipped,
         "corpus": run.corpus_summary,
     }

@@ -59,6 +59,10 @@ def header(summary: Summary) -> list[str]:
             + (f", {len(summary.unreadable)} unreadable and skipped" if summary.unreadable else ""))
     lines = [f"# Study report: {summary.study}", "", f"- Preset: {summary.preset}",
              f"- Device: {summary.devices}; torch {summary.torch}", f"- Runs: {runs}"]
+    if len(summary.machines) > 1:
+        lines.append(f"- Machines: {len(summary.machines)} ({'; '.join(summary.machines)}). Runs are deterministic on "
+                     "one machine only, and epoch times of different machines differ (up to 1.7x seen here), so the "
+                     "time ratios mix machine and variant; `make bench` measures the variants' cost in one run.")
     if summary.stopped:
         lines.append(f"- Stopped (nothing written for a while, so no process owns them): {', '.join(summary.stopped)}")
     if summary.duplicates:
@@ -244,7 +248,7 @@ def depth_effect(summary: Summary) -> list[str]:
 def as_json(summary: Summary, plots: list[str]) -> dict:
     """report.json: the summary less the runs themselves (they are the results.json files), strict JSON."""
     return ready({
-        "sweep_dir": summary.sweep_dir, "study": summary.study, "preset": summary.preset, "devices": summary.devices,
+        "sweep_dir": summary.sweep_dir, "study": summary.study, "preset": summary.preset, "devices": summary.devices, "machines": summary.machines,
         "torch": summary.torch, "columns": summary.columns, **summary.counts, "skipped": summary.unreadable, "stopped_runs": summary.stopped,
         "duplicates": summary.duplicates, "protocol": summary.protocol, "tuning": summary.tuning,
         "off_grid": summary.off_grid, "significance": significance(summary) if summary.rows else None,

@@ -36,6 +36,7 @@ class Summary:
     study: str
     preset: str
     devices: str
+    machines: list[str]  # what ran the epochs; time ratios across several compare machines as well as variants
     torch: str
     counts: dict[str, int]  # runs by status: finished, running, stopped (no live owner), diverged
     unreadable: list[str]  # results.json paths that could not be read
@@ -85,7 +86,7 @@ def build(sweep_dir: Path, now: float | None = None) -> Summary:
     counts = Counter(run["status"] for group in runs.values() for run in group)
     return Summary(
         sweep_dir=str(sweep_dir), study=distinct(kept, "study"), preset=distinct(kept, "preset"),
-        devices=distinct(kept, "device"), torch=distinct(kept, "torch_version"),
+        devices=distinct(kept, "device"), machines=sorted({r["machine"] for r in kept if r.get("machine")}), torch=distinct(kept, "torch_version"),
         counts={s: counts[s] for s in ("finished", "running", "stopped", "diverged")},
         unreadable=[str(p) for p in unreadable], duplicates=duplicates, protocol=protocol,
         stopped=[run["path"] for group in runs.values() for run in group if run["status"] == "stopped"],

@@ -5,7 +5,9 @@ import sys
 
 import pytest
 
-from batchrnn.rundir import CHECKPOINT, RESULTS
+from batchrnn.checkpoint import load_model
+from batchrnn.metrics import error_rates
+from batchrnn.rundir import BEST, CHECKPOINT, RESULTS
 from batchrnn.train import train
 from conftest import ROOT
 from wandb_offline import read_offline_run
@@ -30,7 +32,10 @@ def test_smoke_run_writes_results(smoke, tmp_path):
     assert [e["epoch"] for e in saved["epochs"]] == [1, 2]
     for row in saved["epochs"]:
         assert {"train_loss", "val_loss", "val_wer", "val_cer", "epoch_time_s", "peak_mem_mb", "utt_per_s"} <= row.keys()
-    assert 0 <= saved["test_wer"] and saved["params"] > 0 and saved["device"] == "cpu"
+    refs, hyps = zip(*((u["ref"], u["hyp"]) for u in saved["test_utterances"]))
+    assert (saved["test_wer"], saved["test_cer"]) == pytest.approx(error_rates(list(refs), list(hyps)))  # scored once, kept
+    assert saved["params"] == sum(p.numel() for p in load_model(tmp_path / BEST)[0].parameters())
+    assert saved["device"] == "cpu" and saved["machine"]
     assert saved["preset"] is None  # named by src/run.py from the experiment choice
     assert len(saved["test_utterances"]) == 12
     assert results["test_wer"] == saved["test_wer"]

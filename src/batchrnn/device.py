@@ -28,7 +28,8 @@ def uses_bf16(t: TrainConfig, device: torch.device) -> bool:
 
 
 def machine(device: torch.device) -> str:
-    """What ran the epochs, to tell whether two runs' times can be compared: host, then CPU or GPU model."""
+    """What ran the epochs, to tell whether two runs' times can be compared: host, CPU or GPU model, and
+    the boot (virtual machines of one image share host name and CPU string, not their speed)."""
     if device.type == "cuda":
         model = torch.cuda.get_device_name(device)
     else:
@@ -36,7 +37,11 @@ def machine(device: torch.device) -> str:
             model = next(line for line in open("/proc/cpuinfo") if line.startswith("model name")).split(":", 1)[1]
         except (OSError, StopIteration):
             model = platform.processor() or platform.machine()
-    return f"{platform.node()}: {model.strip()}"
+    try:
+        boot = " (boot " + Path("/proc/sys/kernel/random/boot_id").read_text()[:8] + ")"
+    except OSError:
+        boot = ""
+    return f"{platform.node()}: {model.strip()}{boot}"
 
 
 def synchronize(device: torch.device) -> None:

@@ -15,7 +15,7 @@ if [ "$STUDY" = depth ]; then
   PRESET=an4_depth
   GRID=(experiment=an4_depth)  # its sweep (1,3,5,7 layers x none,seqwise) is in conf/experiment/an4_depth.yaml
 else
-  PRESET="${PRESET:-$($PY -c 'import torch; print("an4_gpu" if torch.cuda.is_available() else "an4_cpu")')}"
+  PRESET="${PRESET:-$($PY -c 'from batchrnn.config import with_device_preset; print(with_device_preset([])[0][11:])')}"
   GRID=("experiment=$PRESET" model.rnn=gru,lstm model.bn=none,post,input,skip,seqwise)
 fi
 [ -n "${SEEDS:-}" ] && GRID+=("protocol.seeds=[$SEEDS]")

@@ -59,6 +59,10 @@ def test_each_variant_gets_the_rate_with_the_lowest_mean_validation_wer():
     assert [c["lr"] for c in tie.values()] == [1e-3]  # a tie goes to the smaller rate
     running = choose_lrs([result(1e-3, 1, 0.3), result(2e-3, 1, 0.1, "running")], [1e-3, 2e-3], [1])
     assert [c["lr"] for c in running.values()] == [None]
+    twice = choose_lrs([result(1e-3, 1, 0.1, "running"), result(1e-3, 1, 0.3), result(2e-3, 1, 0.2)], [1e-3, 2e-3], [1])
+    assert [c["lr"] for c in twice.values()] == [2e-3]  # the finished copy of a run counts, not the other
+    diverged = choose_lrs([result(1e-3, 1, 0.3, "diverged"), result(2e-3, 1, 0.1, "diverged")], [1e-3, 2e-3], [1])
+    assert [(c["lr"], c["missing"]) for c in diverged.values()] == [(None, [])]  # no rate to train seeds at
 
 
 def test_final_stage_without_its_tuning_runs_says_what_is_missing(config, tmp_path):
@@ -88,3 +92,12 @@ def test_study_tunes_each_variant_then_runs_its_seeds_at_the_chosen_rate(tmp_pat
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)  # resumes: nothing to do
     assert again.returncode == 0 and again.stdout.count("is finished") == 8  # 4 tuning jobs, 4 final jobs
     assert "train loss" not in again.stdout
+
+
+@pytest.mark.parametrize("typed,message", [("model.bnn=x", "model.bnn"), ("+model.bnn=x", "model.bnn: no such setting"),
+                                           ("train.lr=-1", "train.lr=-1.0: must be positive")])
+def test_study_refuses_a_bad_override_in_one_line_before_any_run(tmp_path, typed, message):
+    run = subprocess.run([sys.executable, "-m", "batchrnn.study", "experiment=smoke", f"hydra.sweep.dir={tmp_path}", typed],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 2 and "Traceback" not in run.stderr and run.stderr.startswith("error: ")
+    assert message in run.stderr and not list(tmp_path.rglob(RESULTS))

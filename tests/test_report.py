@@ -13,9 +13,10 @@ from omegaconf import OmegaConf
 from batchrnn.config import Config
 from batchrnn.report import write_report
 from batchrnn.report.__main__ import main
-from batchrnn.report.plots import DEPTH_PLOT, PLOTS
+from batchrnn.report.plots import DEPTH_PLOT
 from batchrnn.report.stats import first_reach, holm, paired_bootstrap, utterance_errors
 
+PLOTS = ("val_wer.png", "wer_vs_time.png", "peak_mem.png", "grad_norm.png")  # every report draws these
 UTTERANCES = 100  # five words each, so one wrong word is 0.2% of the test set's words
 # (rnn, bn) -> word errors per seed; seqwise is clearly better than none, post is as good as none.
 ERRORS = {"none": (30, 20), "post": (30, 20), "seqwise": (5, 5)}
@@ -389,3 +390,10 @@ def test_runs_from_several_machines_are_named_and_their_time_ratios_qualified(tm
     for path in tmp_path.rglob("results.json"):  # one machine: no such line
         path.write_text(json.dumps(json.loads(path.read_text()) | {"machine": "a: Xeon"}))
     assert "Machines:" not in write_report(tmp_path).read_text()
+
+
+def test_a_stray_run_at_the_chosen_rate_stays_out_of_the_verdict(tmp_path):
+    protocol_study(tmp_path)
+    write(tmp_path, "stray", result(config("none", 0, 1e-3), set(range(60)), [0.9, 0.3]))  # seed 0, a plain run
+    data = json.loads(write_report(tmp_path).with_name("report.json").read_text())
+    assert [(r["bn"], r["seeds"]) for r in data["rows"]] == [("none", [1, 2]), ("input", [1, 2]), ("seqwise", [1, 2])]

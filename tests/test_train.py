@@ -113,6 +113,13 @@ def test_patience_counts_epochs_without_a_better_validation_wer_or_loss(smoke, t
     assert (results["stop"], results["best_epoch"], results["improving_at_cap"]) == ("patience", 4, False)
 
 
+def test_a_drifting_validation_loss_is_not_progress(smoke, tmp_path, monkeypatch):
+    # after epoch 2 the loss creeps down by 0.1-0.6% an epoch, 1.1% in all: under patience_loss_drop (2%)
+    scripted_validation(monkeypatch, [0.5, 0.4, 0.45, 0.45, 0.45, 0.45], [1.0, 0.9, 0.895, 0.893, 0.891, 0.89])
+    results = train(smoke("train.epochs=30", "train.patience=3"), tmp_path)
+    assert [e["epoch"] for e in results["epochs"]] == [1, 2, 3, 4, 5] and results["stop"] == "patience"
+
+
 def test_a_run_stopped_by_the_cap_while_improving_says_so(smoke, tmp_path, monkeypatch):
     scripted_validation(monkeypatch, [1.0, 0.8, 0.7], [5, 4, 3])
     results = train(smoke("train.epochs=3", "train.patience=5"), tmp_path)

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from batchrnn.config import ModelConfig
-from batchrnn.data import one_line
+from batchrnn.errors import one_line
 from batchrnn.model import DeepSpeech2
 from batchrnn.storage import atomic_write
 from batchrnn.text import LABELS

@@ -156,6 +156,8 @@ class TrainConfig:
     # trained until validation stops improving. The loss counts because a network at blank output
     # (100% WER) for its first epochs is still learning.
     patience: int = 0
+    # The fall of validation loss (relative, since its last counted fall) that counts as an improvement.
+    patience_loss_drop: float = 0.02
     # A step with a non-finite loss or gradient is skipped; this many in a row means the run has
     # diverged (lr too high, broken features), and going on would only burn hours of compute.
     max_skipped_steps: int = 20
@@ -241,6 +243,8 @@ def validate(cfg: Config | DictConfig) -> None:
                        "train.spec_augment.time_width": sa.time_width}.items():
         if value < 0:
             raise ConfigError(f"{key}={value}: must be 0 or more")
+    if not 0 <= t.patience_loss_drop < 1:
+        raise ConfigError(f"train.patience_loss_drop={t.patience_loss_drop}: must be in [0, 1)")
     if not 0 < t.lr_gamma <= 1:
         raise ConfigError(f"train.lr_gamma={t.lr_gamma}: must be in (0, 1]")
     if not 0 < d.val_fraction < 1:

@@ -1,7 +1,7 @@
 """Use a trained model: re-score a run's best checkpoint on a split, or transcribe audio files with it.
 
-    python -m batchrnn.evaluate score runs/smoke/model.bn=seqwise --split test --out hyps.json
-    python -m batchrnn.evaluate transcribe runs/smoke/model.bn=seqwise/best.pt a.sph b.wav
+    python -m batchrnn.evaluate score runs/smoke/gru-seqwise-L2-lr0.003-s0-<hash> --split test --out hyps.json
+    python -m batchrnn.evaluate transcribe runs/smoke/gru-seqwise-L2-lr0.003-s0-<hash>/best.pt a.sph b.wav
 """
 import argparse
 import os
@@ -12,12 +12,12 @@ import soundfile as sf
 import torch
 
 from batchrnn.checkpoint import CheckpointError, load_model, typed
-from batchrnn.config import DataConfig, TrainConfig
+from batchrnn.config import AN4_ARCHIVE_ENV, ConfigError, DataConfig, TrainConfig
 from batchrnn.data import SAMPLE_RATE, DataError, prepare_corpus, read_audio
 from batchrnn.features import Featurizer, load_features
 from batchrnn.storage import write_json
 from batchrnn.text import greedy_decode
-from batchrnn.device import uses_bf16
+from batchrnn.device import pick_device, uses_bf16
 from batchrnn.rundir import BEST
 from batchrnn.train import score
 
@@ -32,20 +32,14 @@ def checkpoint_path(path: str) -> Path:
     return path / BEST if path.is_dir() else path
 
 
-def pick_device(choice: str) -> torch.device:
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: CUDA is not available; use --device auto or cpu")
-    return torch.device("cuda" if choice != "cpu" and torch.cuda.is_available() else "cpu")
-
-
 def data_config(info: dict, root: str | None = None) -> DataConfig:
     """The run's own data settings (corpus, split, features), optionally with another data.root."""
     cfg = typed(DataConfig, info["config"]["data"])
     if root:
         cfg.root = root
-    # The saved archive is resolved; conf/data/an4.yaml lets AN4_ARCHIVE replace it, and so does this.
-    if cfg.corpus == "an4" and os.environ.get("AN4_ARCHIVE"):
-        cfg.archive = os.environ["AN4_ARCHIVE"]
+    # The saved archive is resolved; DataConfig.archive lets AN4_ARCHIVE replace it, and so does this.
+    if cfg.corpus == "an4" and os.environ.get(AN4_ARCHIVE_ENV):
+        cfg.archive = os.environ[AN4_ARCHIVE_ENV]
     return cfg
 
 
@@ -118,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     try:
         args.run(args)
-    except (CheckpointError, DataError, UsageError) as e:
+    except (CheckpointError, ConfigError, DataError, UsageError, OSError) as e:  # OSError: e.g. --out's folder
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)  # as the trainer and argparse exit on a problem the user can fix
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from batchrnn.config import ConfigError, DataConfig, register_configs, validate, with_device_preset
+from batchrnn.config import ConfigError, CorpusName, DataConfig, register_configs, validate, with_device_preset
 from batchrnn.data import DataError, prepare_corpus
 from batchrnn.features import Featurizer, cache_path, load_features
 
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--archive", help="local path, file:// or http(s) URL (default: $AN4_ARCHIVE, else CMU's URL)")
     p.add_argument("--mirror", action="append", dest="mirrors", metavar="URL", help="fallback URL, may repeat")
     p.add_argument("--root", help="folder for the corpus, splits and features (default: data)")
-    p.add_argument("--corpus", help="an4 or synthetic (default: the preset's, else an4)")
+    p.add_argument("--corpus", choices=[c.value for c in CorpusName], help="default: the preset's")
     p.add_argument("--val-fraction", type=float)
     p.add_argument("--split-seed", type=int)
     args = p.parse_args(argv)

@@ -56,6 +56,16 @@ def canonical(values: dict) -> str:
     return json.dumps(values, sort_keys=True, separators=(",", ":"))
 
 
+def placement(s: dict) -> str:
+    """bn, or bn-cells for the cell reference; s: flat settings (`settings`)."""
+    return s["model.bn"] + ("-cells" if s.get("model.impl", Impl.fused.value) == Impl.cells.value else "")
+
+
+def variant_label(s: dict) -> str:
+    """rnn-bn[-cells]: how runs, W&B runs and report rows name a variant; s: flat settings."""
+    return f"{s['model.rnn']}-{placement(s)}"
+
+
 def run_name(config: dict) -> str:
     """The run folder's name: readable (rnn-bn[-cells]-L<layers>-lr<lr>-s<seed>) and unique, through a
     hash of the settings that differ from the schema's defaults (so a new setting with a default does
@@ -63,8 +73,7 @@ def run_name(config: dict) -> str:
     s, defaults = settings(config), default_settings()
     changed = {k: v for k, v in s.items() if k not in defaults or defaults[k] != v}
     digest = hashlib.sha1(canonical(changed).encode()).hexdigest()[:8]
-    cells = "-cells" if s["model.impl"] == Impl.cells.value else ""
-    return f"{s['model.rnn']}-{s['model.bn']}{cells}-L{s['model.num_layers']}-lr{s[LR]:g}-s{s[SEED]}-{digest}"
+    return f"{variant_label(s)}-L{s['model.num_layers']}-lr{s[LR]:g}-s{s[SEED]}-{digest}"
 
 
 def mismatch(stored: dict, current: dict) -> list[str]:
@@ -95,11 +104,14 @@ def choose_lrs(results: list[dict], lrs: list[float], tune_seeds: list[int]) -> 
     """{variant key: {"lr": chosen rate or None, "by_lr": {rate: mean best val WER or None}, "missing":
     [(rate, seed), ...]}} for every variant among `results` (results.json dicts). The rule: the rate of
     `lrs` with the lowest best validation WER averaged over `tune_seeds`; ties go to the smaller rate.
-    Nothing is chosen while a tuning run is missing or unfinished."""
+    Nothing is chosen while a tuning run is missing or unfinished, nor when every rate diverged."""
     found = defaultdict(dict)  # variant -> {(lr, seed): val WER}
     for r in results:
-        config = r["config"]
-        found[variant_key(config)][config["train"]["lr"], config["seed"]] = val_wer_for_choice(r)
+        config, value = r["config"], val_wer_for_choice(r)
+        runs = found[variant_key(config)]
+        key = config["train"]["lr"], config["seed"]
+        if runs.get(key) is None:  # a second folder of the same run (hand-made): a finished one wins
+            runs[key] = value
     choice = {}
     for variant, runs in found.items():
         by_lr, missing = {}, []
@@ -108,6 +120,8 @@ def choose_lrs(results: list[dict], lrs: list[float], tune_seeds: list[int]) -> 
             missing += [(lr, seed) for seed, v in zip(tune_seeds, values) if v is None]
             by_lr[lr] = None if None in values else sum(values) / len(values)
         chosen = None if missing else min(lrs, key=lambda lr: (by_lr[lr], lr))
+        if chosen is not None and by_lr[chosen] == math.inf:
+            chosen = None  # every rate diverged: there is no rate to train the seeds at
         choice[variant] = {"lr": chosen, "by_lr": by_lr, "missing": missing}
     return choice
 
@@ -127,6 +141,9 @@ def tuned_lr(study_dir, config: dict) -> float:
     results, _ = read_study(study_dir)
     tuning = [r for r in results if r["config"]["train"]["lr"] in p["lrs"] and r["config"]["seed"] in p["tune_seeds"]]
     choice = choose_lrs(tuning, p["lrs"], p["tune_seeds"]).get(variant_key(config))
+    if choice and not choice["missing"] and choice["lr"] is None:
+        raise ProtocolError(f"{study_dir}: every rate of protocol.lrs {p['lrs']} diverged for this variant; add lower "
+                            "rates to protocol.lrs and run the tuning stage again")
     if choice is None or choice["lr"] is None:
         missing = choice["missing"] if choice else [(lr, s) for lr in p["lrs"] for s in p["tune_seeds"]]
         m = config["model"]

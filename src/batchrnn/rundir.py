@@ -79,7 +79,9 @@ class RunFolder:
 
     def save_checkpoint(self, model, opt, progress: dict) -> None:
         state = {"model": model.state_dict(), "opt": opt.state_dict(), "progress": progress,
-                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                         # SpecAugment draws its masks on the batch's device
+                         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
         atomic_write(self.file(CHECKPOINT), lambda tmp: torch.save(state, tmp))
 
     def resume(self, model, opt, device: torch.device) -> dict | None:
@@ -96,6 +98,8 @@ class RunFolder:
                            "another output folder, or train.rerun=true to replace this run") from e
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
+        if state["rng"].get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
         log.info("resumed %s at epoch %d", self.path, progress["epoch"])
         return progress
 

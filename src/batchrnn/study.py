@@ -14,7 +14,11 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from batchrnn.config import register_configs, with_device_preset
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from batchrnn.config import ConfigError, register_configs, validate, with_device_preset
+from batchrnn.errors import one_line
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = [sys.executable, str(ROOT / "src" / "run.py"), "-m"]
@@ -22,11 +26,20 @@ RUN = [sys.executable, str(ROOT / "src" / "run.py"), "-m"]
 
 def protocol_of(overrides: list[str]):
     """The composed protocol section and study folder, from the overrides that are not sweeps."""
-    parsed = OverridesParser.create().parse_overrides(overrides)
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as e:
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        sys.exit(2)
     fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
     register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=fixed, return_hydra_config=True)
+    try:
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            validate(compose(config_name="config", overrides=fixed))
+            cfg = compose(config_name="config", overrides=fixed, return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException, ConfigError) as e:  # before any run: one line, as run.py
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        sys.exit(2)
     return cfg.protocol, Path(cfg.hydra.sweep.dir)
 
 

@@ -16,12 +16,13 @@ import torchaudio
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from batchrnn.config import ConfigError, Impl, to_container, validate
+from batchrnn.config import ConfigError, to_container, validate
 from batchrnn.data import corpus_changes, prepare_corpus
 from batchrnn.device import machine, peak_memory_mb, pick_device, reset_peak_memory, synchronize, uses_bf16
 from batchrnn.features import FeatureSet, collate, load_features, make_batches
 from batchrnn.metrics import error_rates
 from batchrnn.model import DeepSpeech2
+from batchrnn.protocol import settings, variant_label
 from batchrnn.rundir import CHECKPOINT, RESULTS, RunFolder
 from batchrnn.text import LABELS, greedy_decode
 from batchrnn.tracking import start_tracking
@@ -41,7 +42,7 @@ class Progress:
     history: list[dict] = field(default_factory=list)  # one row per epoch, the per-epoch metrics
     best_val_wer: float = math.inf
     best_epoch: int = 0  # of the best validation WER: the checkpoint that is tested
-    best_val_loss: float = math.inf
+    loss_mark: float = math.inf  # validation loss at the last epoch it counted as an improvement
     improved_epoch: int = 0  # the last epoch that improved validation WER or loss: patience counts from it
     skipped_steps: int = 0
     skipped_in_a_row: int = 0  # across epochs: a run that diverges at an epoch's end is still diverged
@@ -143,7 +144,7 @@ def train(cfg: DictConfig, out_dir: Path, preset: str | None = None) -> dict:
     folder.start(t.rerun)
     run = Run(cfg)
     progress = Progress(**(folder.resume(run.model, run.opt, run.device) or {}))
-    name = f"{variant_label(cfg)}-s{cfg.seed}"
+    name = f"{variant_label(settings(config))}-s{cfg.seed}"
     tracker = start_tracking(cfg.logger, folder.path, name, cfg.study, config)
     log.info("%s: %d parameters on %s%s, %d/%d/%d utterances (train/val/test), tracking %s, folder %s", name,
              run.params, run.device, " (bf16)" * run.bf16, len(run.train_indices), len(run.sets["val"]),
@@ -171,10 +172,13 @@ def train(cfg: DictConfig, out_dir: Path, preset: str | None = None) -> dict:
                 progress.best_val_wer, progress.best_epoch = val["wer"], progress.epoch
                 folder.save_best(run.model, config, epoch=progress.epoch, val_wer=val["wer"])
             # Loss too: a network still at blank output (100% WER) for its first epochs is learning while
-            # its loss falls, and patience on WER alone would stop it before it ever emits a letter.
-            if progress.best_epoch == progress.epoch or val["loss"] < progress.best_val_loss:
+            # its loss falls, and patience on WER alone would stop it before it ever emits a letter. Only a
+            # real fall counts (train.patience_loss_drop since the last one): near convergence the loss
+            # drifts down by fractions of a percent for many epochs while WER no longer moves.
+            if val["loss"] < progress.loss_mark * (1 - t.patience_loss_drop):
+                progress.loss_mark, progress.improved_epoch = val["loss"], progress.epoch
+            if progress.best_epoch == progress.epoch:
                 progress.improved_epoch = progress.epoch
-            progress.best_val_loss = min(progress.best_val_loss, val["loss"])
             folder.save_checkpoint(run.model, run.opt, asdict(progress))
             folder.write_results(summary("running"))
             tracker.log_epoch(row)
@@ -274,9 +278,3 @@ def results_of(cfg: DictConfig, preset: str | None, run: Run, progress: Progress
         "skipped_steps": progress.skipped_steps, "ctc_skipped_utterances": run.ctc_skipped,
         "corpus": run.corpus_summary,
     }
-
-
-def variant_label(cfg: DictConfig) -> str:
-    """rnn-bn[-cells]: the W&B run name's stem."""
-    m = to_container(cfg.model)
-    return f"{m['rnn']}-{m['bn']}" + ("-cells" if Impl(m["impl"]) is Impl.cells else "")

@@ -9,7 +9,6 @@ import numpy as np
 from batchrnn.config import Impl
 from batchrnn.report.summary import BN_ORDER, RNN_ORDER, Summary
 
-PLOTS = ("val_wer.png", "wer_vs_time.png", "peak_mem.png", "grad_norm.png")
 DEPTH_PLOT = "wer_vs_depth.png"  # only when the study varies model.num_layers
 
 

@@ -68,7 +68,7 @@ def header(summary: Summary) -> list[str]:
     if summary.duplicates:
         lines.append(f"- Left out, the same settings and seed as another folder: {', '.join(summary.duplicates)}")
     if "cpu" in summary.devices.split(", "):
-        lines.append("- The CPU-sized preset was used: a small model and few epochs, so absolute WERs are "
+        lines.append("- The CPU-sized preset was used: a small model on a small corpus, so absolute WERs are "
                      "far above full-size DS2 numbers; compare variants with each other, not with the "
                      "literature.")
     return lines

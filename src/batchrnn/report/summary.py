@@ -12,7 +12,8 @@ from pathlib import Path
 
 from batchrnn.config import BNMode, Impl, RNNType
 from batchrnn.config import Stage
-from batchrnn.protocol import LR, SEED, canonical, choose_lrs, known_settings, setting_key, settings, variant_key
+from batchrnn.protocol import (LR, SEED, canonical, choose_lrs, known_settings, placement, setting_key, settings,
+                               variant_key)
 from batchrnn.report.stats import ALPHA, first_reach, holm, mean_std, paired_bootstrap, utterance_errors
 from batchrnn.rundir import read_study
 
@@ -193,16 +194,10 @@ def value(v) -> str:
 def describe(s: dict, keys: list[str], columns: list[str], bn: bool = True) -> str:
     """rnn-bn[-impl][-L<layers>] plus key=value for each other setting in keys: a row's, variant's or
     group's name."""
-    name = s[RNN] + (f"-{placement_of(s)}" if bn else "")
+    name = s[RNN] + (f"-{placement(s)}" if bn else "")
     if DEPTH in keys:
         name += f"-L{s.get(DEPTH)}"
     return " ".join([name] + [f"{short(k, columns)}={value(s.get(k))}" for k in keys if k != DEPTH])
-
-
-def placement_of(s: dict) -> str:
-    """bn, or bn-impl for the cells reference."""
-    impl = s.get(IMPL, Impl.fused.value)
-    return s[BN] + ("" if impl == Impl.fused.value else f"-{impl}")
 
 
 def rank(order: list, x) -> tuple:
@@ -219,15 +214,17 @@ def make_row(runs: list[dict], columns: list[str], protocol: dict | None, choice
     impl = s.get(IMPL, Impl.fused.value)
     # Under a protocol each variant has its own rate: the rate names a row, not a group or a variant.
     per_variant = [k for k in columns if not (protocol and k == LR)]
-    finished = [r for r in runs if r["status"] == "finished"]
-    placement, row_role = placement_of(s), role(runs[0]["result"]["config"], protocol, choice)
+    where, row_role = placement(s), role(runs[0]["result"]["config"], protocol, choice)
+    # A verdict holds the protocol's seeds only: not a stray single run (seed 0) that happens to share the rate
+    finished = [r for r in runs if r["status"] == "finished"
+                and not (protocol and row_role == "verdict" and r["seed"] not in protocol["seeds"])]
     row = {"label": describe(s, columns, columns), "variant": describe(s, per_variant, columns),
            "group": describe(s, per_variant, columns, bn=False),
            "depth_free": describe(s, [k for k in per_variant if k != DEPTH], columns),
            "family": describe(s, [k for k in per_variant if k != DEPTH], columns, bn=False),  # group less depth
-           "placement": placement,
+           "placement": where,
            # within its group: the placement (and the rate of a variant still tuning, whose rows are all plotted)
-           "name": placement + (f" lr={value(s.get(LR))}" if row_role == "pending" else ""),
+           "name": where + (f" lr={value(s.get(LR))}" if row_role == "pending" else ""),
            "rnn": s[RNN], "bn": s[BN], "impl": impl, "num_layers": s.get(DEPTH), "lr": s.get(LR),
            "settings": {k: s.get(k) for k in columns}, "role": row_role,
            "n": len(finished), "seeds": [r["seed"] for r in finished],

@@ -9,7 +9,7 @@ import batchrnn.rnn
 from batchrnn.config import BNMode, Impl, RNNType
 from batchrnn.model import build_recurrent_layer
 from batchrnn.rnn import (GATES, LAYERS, Gram, MaskedBatchNorm, QuadraticForm, affine, cell_loop, cheaper_route,
-                          fused_recurrence, projected_moments)
+                          fused_recurrence, projected_moments, valid_mask)
 
 T, N, D, H = 9, 3, 5, 4
 LENGTHS = torch.tensor([9, 5, 2])
@@ -345,3 +345,31 @@ def test_masked_batchnorm_is_batchnorm1d_on_unpadded_input(momentum):
 def test_sync_batchnorm_conversion_leaves_masked_batchnorm_alone():
     m = nn.SyncBatchNorm.convert_sync_batchnorm(layer("gru", "post"))  # it would drop the mask
     assert type(m.bn) is MaskedBatchNorm
+
+
+@pytest.mark.parametrize("bn", ["seqwise", "skip", "ln"])
+@pytest.mark.parametrize("route", ["gram", "direct"])
+def test_fold_statistics_in_bf16_products_keep_what_centring_saves(monkeypatch, bn, route):
+    """Under bf16 autocast the folds' per-frame products run in bf16 (product_dtype), on the centred x:
+    with a per-feature offset up to 1000, the folded weights, shifts and LN's frame scales stay within 1%
+    of float64's (without the centring, E[z^2] - E[z]^2 in bf16 would lose the variance outright)."""
+    monkeypatch.setattr(batchrnn.rnn, "cheaper_route", lambda *args, **kwargs: route)
+    t, n, d, h = 60, 8, 128, 64
+    lengths = torch.tensor([60, 57, 50, 44, 38, 30, 21, 9])
+    mask = valid_mask(lengths, t, torch.float32)
+    torch.manual_seed(0)
+    reference = perturbed(build_recurrent_layer("lstm", bn, d, h).double())
+    m = build_recurrent_layer("lstm", bn, d, h)
+    m.load_state_dict(reference.state_dict())
+    for offset in (10, 100, 1000):
+        x = (torch.randn(t, n, d, dtype=torch.float64) + torch.rand(d, dtype=torch.float64) * offset) * mask
+        want = reference.input_folds(x, mask.double())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert batchrnn.rnn.product_dtype(x.float()) is torch.bfloat16
+            got = m.input_folds(x.float(), mask)
+        for g, w in zip(got, want):
+            for name in ("weight", "bias", "frame_scale"):
+                a, b = getattr(g, name), getattr(w, name)
+                if b is not None:
+                    error = ((a.double() - b).abs().max() / b.abs().max()).item()
+                    assert error < 1e-2, (offset, name, error)

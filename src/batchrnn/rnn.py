@@ -48,6 +48,15 @@ def full_precision(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
+def product_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of the folds' per-frame statistic products (the D^2-per-frame work): autocast's where
+    autocast is on, since once x is centred, bf16 products with float32 accumulation keep what the
+    statistics need (issue 12); x's own (float32, float64) otherwise. Call it outside the fold's
+    autocast-disabled block."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else full_precision(x).dtype
+
+
 def masked_moments(x: torch.Tensor, mask: torch.Tensor, channel_dim: int):
     """Mean and biased variance per channel over valid positions; mask is 0/1, broadcastable to x."""
     x, mask = full_precision(x), full_precision(mask)  # statistics in float32 even under autocast
@@ -102,18 +111,21 @@ def cheaper_route(frames: int, d: int, copies: int, width: int, grams: int = 1) 
     return "gram" if gram <= 3 * copies * width * d * frames else "direct"
 
 
-def projected_moments(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, route: str):
+def projected_moments(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, route: str,
+                      dtype: torch.dtype | None = None):
     """Mean and variance of z = W x over valid frames, each (copies, width); x (frames, D) is zero on
     padding, mask (frames, 1), w (copies, width, D). x is centred before its second moment: in float32,
     E[z^2] - E[z]^2 loses what features with a large mean carry. Both routes are exact; they differ
-    only in cost."""
+    only in cost. dtype: that of the per-frame products (default x's); the sums, the mean and the
+    batch-level products stay in x's."""
     count = mask.sum()
     mean_x = x.sum(0) / count
     xc = (x - mean_x) * mask  # (frames, D), still zero on padding
+    xp = xc.to(dtype or xc.dtype)
     if route == "gram":
-        var = ((w @ (Gram.apply(xc) / count)) * w).sum(-1)
+        var = ((w @ (Gram.apply(xp).to(x.dtype) / count)) * w).sum(-1)
     else:
-        var = torch.einsum("fd,cwd->fcw", xc, w).square().sum(0) / count
+        var = torch.einsum("fd,cwd->fcw", xp, w.to(xp.dtype)).to(x.dtype).square().sum(0) / count
     return w @ mean_x, var
 
 
@@ -360,11 +372,13 @@ class ProjectedBNLayer(ProjectedLayer):
         """W (copies, width, D) and BN(W x)'s scale and shift, each (copies, width)."""
         w = self.weight_ih
         if self.training:
-            # Statistics in float32 even under autocast: E[(z - E[z])^2] in bf16 would be noise.
+            # Sums, mean and count in float32 even under autocast (a bf16 count would round); the
+            # per-frame products of the centred x in autocast's dtype (product_dtype).
+            dtype = product_dtype(x)
             with torch.autocast(x.device.type, enabled=False):
                 xf, wf = full_precision(x.flatten(0, 1)), full_precision(w)  # (T*N, D), zero on padding
-                mf = full_precision(mask.flatten(0, 1))  # (T*N, 1); a bf16 count would round
-                mean, var = projected_moments(xf, wf, mf, cheaper_route(*xf.shape, *wf.shape[:2]))
+                mf = full_precision(mask.flatten(0, 1))  # (T*N, 1)
+                mean, var = projected_moments(xf, wf, mf, cheaper_route(*xf.shape, *wf.shape[:2]), dtype)
                 stats = (mean.flatten(), var.flatten(), mf.sum())
         else:
             stats = (None, None, 0)
@@ -430,12 +444,15 @@ class LayerNormLayer(ProjectedLayer):
 
     def input_folds(self, x, mask):
         wc = self.weight_ih - self.weight_ih.mean(1, keepdim=True)  # (copies, K, D), rows centred
-        with torch.autocast(x.device.type, enabled=False):  # sigma in float32 even under autocast
+        dtype = product_dtype(x)  # per-frame products in autocast's dtype; sigma itself in float32
+        with torch.autocast(x.device.type, enabled=False):
             xf, wcf = full_precision(x.flatten(0, 1)), full_precision(wc)  # (T*N, D), zero on padding
+            xp = xf.to(dtype)
             if cheaper_route(*xf.shape, *wcf.shape[:2], grams=self.copies) == "gram":
-                square = QuadraticForm.apply(xf, wcf.transpose(1, 2) @ wcf)  # (copies, T*N): |W_c x|^2
+                m = (wcf.transpose(1, 2) @ wcf).to(dtype)  # W_c^T W_c, a batch-level product
+                square = QuadraticForm.apply(xp, m).to(xf.dtype)  # (copies, T*N): |W_c x|^2
             else:
-                square = (xf @ wcf.transpose(1, 2)).square().sum(-1)
+                square = (xp @ wcf.transpose(1, 2).to(dtype)).to(xf.dtype).square().sum(-1)
             inv_sigma = torch.rsqrt(square.clamp_min(0) / self.width + LN_EPS).view(self.copies, *x.shape[:2], 1)
         return [InputFold(self.gain_ih[k, :, None] * wc[k], self.bias_ih[k], inv_sigma[k].to(x.dtype))
                 for k in self.copy_of]

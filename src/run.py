@@ -61,9 +61,12 @@ def main(cfg: DictConfig) -> float:
         if cfg.protocol.stage is Stage.final:  # the rate the tuning stage chose for this variant
             cfg.train.lr = tuned_lr(study_dir, to_container(cfg))
         folder = RunFolder(study_dir / run_name(to_container(cfg)))
-    except ProtocolError as e:
+    except ProtocolError as e:  # this variant's tuning is missing or all diverged: a sweep goes on with the others
         log.error("error: %s", e)
-        sys.exit(2)
+        if hydra_cfg.mode is not RunMode.MULTIRUN:
+            sys.exit(2)
+        record_failed_job(2)
+        return math.nan
     with folder.logging():
         try:
             results = train(cfg, folder.path, hydra_cfg.runtime.choices.get("experiment"))

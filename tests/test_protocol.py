@@ -94,6 +94,23 @@ def test_study_tunes_each_variant_then_runs_its_seeds_at_the_chosen_rate(tmp_pat
     assert "train loss" not in again.stdout
 
 
+def test_final_stage_goes_on_past_a_variant_without_a_tuned_rate(tmp_path, smoke_root):
+    """One variant with no rate to take (tuning missing, or every rate diverged) fails alone: the sweep's
+    other variants still run their seeds, and the exit status (2) says that one did not."""
+    base = [sys.executable, "src/run.py", "-m", "experiment=smoke", f"data.root={smoke_root}",
+            f"hydra.sweep.dir={tmp_path}", "protocol.lrs=[1e-3]"]
+    tune = subprocess.run([*base, "model.bn=seqwise", "protocol.stage=tune", "train.lr=1e-3", "seed=1"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert tune.returncode == 0, tune.stderr[-3000:]
+    final = subprocess.run([*base, "model.bn=none,seqwise", "protocol.stage=final", "seed=2"],
+                           capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert final.returncode == 2
+    assert "the tuning stage of gru-none (L2) is not complete" in final.stdout + final.stderr
+    results, _ = read_study(tmp_path)
+    assert sorted((r["bn"], r["seed"], r["status"]) for r in results) == [("seqwise", 1, "finished"),
+                                                                          ("seqwise", 2, "finished")]
+
+
 @pytest.mark.parametrize("typed,message", [("model.bnn=x", "model.bnn"), ("+model.bnn=x", "model.bnn: no such setting"),
                                            ("train.lr=-1", "train.lr=-1.0: must be positive")])
 def test_study_refuses_a_bad_override_in_one_line_before_any_run(tmp_path, typed, message):

@@ -240,6 +240,8 @@ def test_rows_at_other_settings_are_never_pooled(tmp_path, caplog):
             write(root, f"lr{lr}-s{seed}", result(config("none", seed, lr), set(range(10 * seed)), [0.9, 0.5]))
     write(root, "again", result(config("none", 1, 1e-3), set(range(10)), [0.9, 0.5]))  # the same run, typed otherwise
     write(root, "wide", result(config("none", 1, 1e-3, hidden_size=64), set(), [0.9, 0.4]))
+    # the same settings on a GPU (train.device=auto): bf16 autocast there, float32 here; not a third seed
+    write(root, "gpu", result(config("none", 3, 3e-3), set(), [0.9, 0.3]) | {"device": "cuda", "bf16": True})
     with caplog.at_level(logging.WARNING):
         text = write_report(root).read_text()
     assert any("the same settings and seed" in r.getMessage() for r in caplog.records)
@@ -247,11 +249,13 @@ def test_rows_at_other_settings_are_never_pooled(tmp_path, caplog):
 
     data = json.loads((root / "report.json").read_text())
     assert [(r["label"], r["n"], r["seeds"]) for r in data["rows"]] == [
-        ("gru-none lr=0.001 hidden_size=64", 1, [1]), ("gru-none lr=0.001 hidden_size=256", 2, [1, 2]),
-        ("gru-none lr=0.003 hidden_size=256", 2, [1, 2])]
+        ("gru-none lr=0.001 device=cpu hidden_size=64", 1, [1]),
+        ("gru-none lr=0.001 device=cpu hidden_size=256", 2, [1, 2]),
+        ("gru-none lr=0.003 device=cpu hidden_size=256", 2, [1, 2]),
+        ("gru-none lr=0.003 device=cuda bf16 hidden_size=256", 1, [3])]
     assert all(len(set(r["seeds"])) == len(r["seeds"]) for r in data["rows"])
     assert data["comparisons"] == []  # no two placements share all their other settings
-    assert "| rnn | bn | impl | lr | hidden_size | n |" in section(text, "Quality at convergence")
+    assert "| rnn | bn | impl | lr | device | hidden_size | n |" in section(text, "Quality at convergence")
 
 
 def protocol_study(root, capped: str | None = None) -> None:

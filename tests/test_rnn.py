@@ -252,6 +252,8 @@ def test_unsupported_combinations_are_refused():
         build_recurrent_layer("gru", "seqwise", D, H, weight_norm_recurrent=True)
     with pytest.raises(ValueError, match="'bogus' is not a valid BNMode"):
         build_recurrent_layer("gru", "bogus", D, H)
+    with pytest.raises(TypeError, match="no model setting imp; the settings are .*impl"):
+        build_recurrent_layer("gru", "seqwise", D, H, imp="cells")
 
 
 @pytest.mark.parametrize("bn", [b.value for b in BNMode])

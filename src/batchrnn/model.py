@@ -1,21 +1,33 @@
 """The DS2 model: a Conv2d front end, a stack of recurrent layers of one variant, a linear CTC head."""
+import dataclasses
+from enum import Enum
+
 import torch
 from torch import nn
 
-from batchrnn.config import BNMode, Impl, ModelConfig, RNNType, check_variant
+from batchrnn.config import BNMode, ModelConfig, check_variant
 from batchrnn.rnn import LAYERS, MaskedBatchNorm, RecurrentLayer
 
 
-def build_recurrent_layer(rnn: str, bn: str, input_size: int, hidden_size: int, bidirectional: bool = True,
-                          impl: str = "fused", share_input_weights: bool = False,
-                          weight_norm_recurrent: bool = False) -> RecurrentLayer:
+def build_recurrent_layer(rnn: str, bn: str, input_size: int, hidden_size: int, **settings) -> RecurrentLayer:
     """One recurrent layer of the variant (rnn, bn): forward(x (T, N, input_size), lengths (N,)) ->
-    (T, N, hidden_size), directions summed. The other settings are ModelConfig's, which the layer reads."""
-    variant = ModelConfig(rnn=RNNType(rnn), bn=BNMode(bn), impl=Impl(impl), hidden_size=hidden_size,
-                          bidirectional=bidirectional, share_input_weights=share_input_weights,
-                          weight_norm_recurrent=weight_norm_recurrent)
-    check_variant(variant)  # the combinations without a layer, refused where the config is checked too
-    return LAYERS[variant.bn](variant, input_size)
+    (T, N, hidden_size), directions summed. settings: any other ModelConfig field (impl, bidirectional,
+    share_input_weights, weight_norm_recurrent), as a value or its name; ModelConfig's default otherwise."""
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    if unknown := sorted(set(settings) - fields):
+        raise TypeError(f"build_recurrent_layer: no model setting {', '.join(unknown)}; "
+                        f"the settings are {', '.join(sorted(fields))}")
+    given = {"rnn": rnn, "bn": bn, "hidden_size": hidden_size, **settings}
+    defaults = ModelConfig()
+    # an enum field given by its name ("cells") becomes its member (Impl.cells), as the config's would be
+    return recurrent_layer(ModelConfig(**{k: type(d)(v) if isinstance(d := getattr(defaults, k), Enum) else v
+                                          for k, v in given.items()}), input_size)
+
+
+def recurrent_layer(cfg: ModelConfig, input_size: int) -> RecurrentLayer:
+    """The layer class of cfg's variant, built from cfg itself (a ModelConfig or the run's model section)."""
+    check_variant(cfg)  # the combinations without a layer, refused where the config is checked too
+    return LAYERS[BNMode(cfg.bn)](cfg, input_size)
 
 
 def conv_output_length(lengths: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
@@ -66,10 +78,7 @@ class DeepSpeech2(nn.Module):
         self.front_end = ConvFrontEnd(cfg, num_features)
         sizes = [self.front_end.output_size] + [cfg.hidden_size] * cfg.num_layers
         self.rnns = nn.ModuleList(
-            build_recurrent_layer(cfg.rnn, cfg.bn, d_in, cfg.hidden_size, cfg.bidirectional,
-                                  impl=cfg.impl, share_input_weights=cfg.share_input_weights,
-                                  weight_norm_recurrent=cfg.weight_norm_recurrent)
-            for d_in in sizes[:-1]
+            recurrent_layer(cfg, d_in) for d_in in sizes[:-1]
         )
         self.head = nn.Linear(cfg.hidden_size, num_classes)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from batchrnn.config import BNMode, Impl, RNNType
 from batchrnn.config import Stage
-from batchrnn.protocol import (LR, SEED, canonical, choose_lrs, known_settings, placement, setting_key, settings,
+from batchrnn.protocol import (LR, SEED, canonical, choose_lrs, known_settings, placement, settings,
                                variant_key)
 from batchrnn.report.stats import ALPHA, first_reach, holm, mean_std, paired_bootstrap, utterance_errors
 from batchrnn.rundir import read_study
@@ -20,6 +20,9 @@ from batchrnn.rundir import read_study
 log = logging.getLogger(__name__)
 
 RNN, BN, IMPL, DEPTH = "model.rnn", "model.bn", "model.impl", "model.num_layers"
+# What a run computed on, from its results (train.device may say only "auto"): float32 on a CPU and bf16
+# autocast on a GPU are two settings, never seeds of one. A row's name shows it when rows differ in it.
+COMPUTED = "device"
 RNN_ORDER, BN_ORDER, IMPL_ORDER = ([m.value for m in e] for e in (RNNType, BNMode, Impl))
 NONE, EXACT = BNMode.none.value, BNMode.seqwise.value
 # Head to head, per group: every variant against `none`, and exact DS2 against every other placement.
@@ -101,8 +104,13 @@ def build(sweep_dir: Path, now: float | None = None) -> Summary:
 # runs
 
 
+def computed_on(result: dict) -> str:
+    """"cpu", "cuda bf16", ...: the device type a run trained on, and bf16 autocast where it was on."""
+    return f"{result.get('device', 'unknown')}{' bf16' if result.get('bf16') else ''}"
+
+
 def run_record(result: dict, now: float) -> dict:
-    s = known_settings(result["config"])
+    s = known_settings(result["config"]) | {COMPUTED: computed_on(result)}
     return {"seed": s.get(SEED), "status": status_of(result, now), "path": result["path"], "settings": s,
             "epochs": result.get("epochs") or [], "improving_at_cap": bool(result.get("improving_at_cap")),
             "result": result}
@@ -135,7 +143,7 @@ def by_setting(records: list[dict]) -> tuple[dict, list[str]]:
     settings and seed, the one further along is kept and the other reported."""
     groups, duplicates = defaultdict(dict), []
     for run in records:
-        seeds = groups[setting_key(run["result"]["config"])]
+        seeds = groups[canonical({k: v for k, v in run["settings"].items() if k != SEED})]
         other = seeds.get(run["seed"])
         if other is not None:
             keep, drop = sorted((other, run), key=lambda r: (STATUS_RANK[r["status"]], len(r["epochs"])))[::-1]

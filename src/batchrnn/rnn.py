@@ -85,19 +85,24 @@ class Gram(torch.autograd.Function):
 class QuadraticForm(torch.autograd.Function):
     """x_f^T M_c x_f for every row x_f of x (F, D) and every symmetric M_c of m (C, D, D): (C, F). The
     backward reuses the forward's x M for x's gradient (2 M x), so it costs one D^2 product per row (M's
-    gradient), where autograd would do two. The LN fold's |W_c x|^2, through M = W_c^T W_c."""
+    gradient), where autograd would do two. The LN fold's |W_c x|^2, through M = W_c^T W_c. Every product
+    is one plain matrix product over the C matrices side by side: a batched product over a broadcast x
+    ran 2.6x slower on the CPU (F 3200, D 256, C 2)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        xm = x @ m  # (C, F, D)
+        c, d = m.shape[:2]
+        xm = (x @ m.transpose(0, 1).reshape(d, c * d)).view(-1, c, d)  # (F, C, D): x M_c for every c
         ctx.save_for_backward(x, xm)
-        return (xm * x).sum(-1)
+        return (xm * x[:, None, :]).sum(-1).t()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, xm = ctx.saved_tensors
-        grad_x = 2 * torch.einsum("cf,cfd->fd", grad, xm)
-        grad_m = (grad[..., None] * x).transpose(1, 2) @ x  # (C, D, F) @ (F, D)
+        f, c, d = xm.shape
+        g = grad.t()[:, :, None]  # (F, C, 1)
+        grad_x = 2 * (g * xm).sum(1)
+        grad_m = ((g * x[:, None, :]).reshape(f, c * d).t() @ x).view(c, d, d)  # x^T diag(grad_c) x for every c
         return grad_x, grad_m
 
 

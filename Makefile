@@ -3,7 +3,7 @@ PY := .venv/bin/python
 STAMP := .venv/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
 SWEEP ?= runs/an4_cpu
 
-.PHONY: help venv test test-slow smoke reproduce-an4 reproduce-depth report bench gpu-check clean
+.PHONY: help venv test test-slow smoke reproduce-an4 reproduce-depth reproduce-norms studies report bench gpu-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -28,6 +28,12 @@ reproduce-an4: $(STAMP) ## AN4, the grid gru,lstm x 5 bn x SEEDS (default 1,2,3)
 
 reproduce-depth: $(STAMP) ## DS2 Table 1's design: 1,3,5,7 layers x none,seqwise x SEEDS, the report (runs/an4_depth)
 	bash experiments/reproduce_an4.sh depth $(ARGS)
+
+reproduce-norms: $(STAMP) ## layer and weight norm (ln, wn, ln_full) beside the grid, same protocol and folder
+	bash experiments/reproduce_an4.sh norms $(ARGS)
+
+studies: $(STAMP) ## every protocol study in turn, resumable: the grid, the depth study, the normalisations
+	bash experiments/reproduce_an4.sh all $(ARGS)
 
 report: $(STAMP) ## rebuild report.md and plots from a sweep folder: make report SWEEP=runs/an4_cpu [ARGS=--wandb]
 	$(PY) -m batchrnn.report $(SWEEP) $(ARGS)

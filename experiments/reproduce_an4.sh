@@ -3,7 +3,9 @@
 # of gru,lstm x none,post,input,skip,seqwise tuned over the preset's learning rates on validation, trained
 # until validation stops improving, then SEEDS at its chosen rate; then the report (also logged to W&B).
 # `make reproduce-depth` passes `depth`: DS2's Table 1 design, experiment=an4_depth, under the same protocol.
-# Usage: experiments/reproduce_an4.sh [grid|depth] [extra Hydra overrides, e.g. hydra/launcher=parallel]
+# `make reproduce-norms` passes `norms`: issue 12's ln, wn and ln_full beside the grid, in the grid's folder, so
+# its report compares them with every BN placement. `make studies` passes `all`: grid, depth, norms in turn.
+# Usage: experiments/reproduce_an4.sh [grid|depth|norms|all] [extra Hydra overrides, e.g. hydra/launcher=parallel]
 # PRESET (an4_gpu with CUDA, else an4_cpu; the grid only) and SEEDS (comma-separated, default the preset's
 # protocol.seeds, 1,2,3) can be set in the environment. Run it again to resume: finished runs are skipped.
 set -euo pipefail
@@ -11,12 +13,26 @@ cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 STUDY="${1:-grid}"
 shift || true
+if [ "$STUDY" = all ]; then  # exit status 3 (some runs diverged, which the protocol counts) goes on to the next
+  for s in grid depth norms; do
+    code=0
+    bash "$0" "$s" "$@" || code=$?
+    [ "$code" -eq 0 ] || [ "$code" -eq 3 ] || exit "$code"
+  done
+  exit 0
+fi
+case "$STUDY" in
+  grid|depth|norms) ;;
+  *) echo "error: unknown study '$STUDY'; use grid, depth, norms or all" >&2; exit 2 ;;
+esac
 if [ "$STUDY" = depth ]; then
   PRESET=an4_depth
   GRID=(experiment=an4_depth)  # its sweep (1,3,5,7 layers x none,seqwise) is in conf/experiment/an4_depth.yaml
 else
   PRESET="${PRESET:-$($PY -c 'from batchrnn.config import with_device_preset; print(with_device_preset([])[0][11:])')}"
-  GRID=("experiment=$PRESET" model.rnn=gru,lstm model.bn=none,post,input,skip,seqwise)
+  BN=none,post,input,skip,seqwise
+  [ "$STUDY" = norms ] && BN=ln,wn,ln_full
+  GRID=("experiment=$PRESET" model.rnn=gru,lstm "model.bn=$BN")
 fi
 [ -n "${SEEDS:-}" ] && GRID+=("protocol.seeds=[$SEEDS]")
 echo "reproduce-an4: ${GRID[*]} $*"

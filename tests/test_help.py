@@ -27,3 +27,10 @@ def test_help_lists_every_allowed_value(help_page, key, enum):
 def test_help_has_a_line_for_every_preset_and_launcher(help_page, folder):
     names = sorted(p.stem for p in (ROOT / "conf" / folder).glob("*.yaml"))
     assert names and all(re.search(rf"^  {name} +\w", help_page, re.MULTILINE) for name in names), names
+
+
+def test_study_script_refuses_an_unknown_study_in_one_line():
+    done = subprocess.run(["bash", str(ROOT / "experiments" / "reproduce_an4.sh"), "grids"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == "error: unknown study 'grids'; use grid, depth, norms or all"

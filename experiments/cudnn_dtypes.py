@@ -1,5 +1,5 @@
 """How fast is torch's own fused GRU and LSTM in each precision (issue 9's finding: on an H200 the DS2-size
-GRU stack ran no faster under bf16 autocast than in float32, while the LSTM ran 2.8x faster)?
+GRU stack ran little or no faster under bf16 autocast than in float32, while the LSTM ran 2.8x faster)?
 
     python experiments/cudnn_dtypes.py [--device cuda] [--layers 5 --hidden 1024 --input 1312 --batch 32 --frames 300]
 

@@ -1,11 +1,11 @@
 """Where one forward + backward of bench_rnn.py's recurrent stack spends its device time, per kernel
-(issue 9's findings: the GRU gains nothing from bf16 autocast on an H200; seqwise costs 1.2-1.3x of none
+(issue 9's findings: the GRU gains little from bf16 autocast on an H200; seqwise costs about 1.3x of none
 in an an4_gpu epoch).
 
     python experiments/profile_stack.py [--variants gru:none,lstm:none,lstm:seqwise] [--amp] [bench sizes]
 
 Prints, per variant, the profiler's table of the top kernels by device time (CUDA) or CPU ops, and the
-number of kernel launches of one step. Sizes as bench_rnn.py's flags (default: an4_gpu's stack).
+number of device operations (kernels and memsets) of one step. Sizes as bench_rnn.py's flags (default: an4_gpu's stack).
 """
 import argparse
 import sys
@@ -48,8 +48,9 @@ def main() -> None:
             sync(device)
         events = prof.key_averages()
         key = "device_time_total" if cuda else "self_cpu_time_total"
-        launches = sum(e.count for e in events if cuda and e.device_type.name == "CUDA")
-        print(f"=== {rnn} {bn}{' bf16 autocast' if args.amp else ''}: {launches} kernel launches", flush=True)
+        device_ops = sum(e.count for e in events if cuda and e.device_type.name == "CUDA")
+        print(f"=== {rnn} {bn}{' bf16 autocast' if args.amp else ''}: {device_ops} device operations "
+              "(kernels and memsets)", flush=True)
         print(events.table(sort_by=key, row_limit=args.rows, max_name_column_width=70), flush=True)
 
 

@@ -14,12 +14,14 @@ PY=.venv/bin/python
 STUDY="${1:-grid}"
 shift || true
 if [ "$STUDY" = all ]; then  # exit status 3 (some runs diverged, which the protocol counts) goes on to the next
+  worst=0
   for s in grid depth norms; do
     code=0
     bash "$0" "$s" "$@" || code=$?
     [ "$code" -eq 0 ] || [ "$code" -eq 3 ] || exit "$code"
+    [ "$code" -eq 3 ] && worst=3
   done
-  exit 0
+  exit "$worst"
 fi
 case "$STUDY" in
   grid|depth|norms) ;;

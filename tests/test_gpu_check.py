@@ -20,7 +20,8 @@ def without_wandb(tmp_path) -> dict:
     for name in ("wandb", "wandb_workspaces"):
         (tmp_path / "absent" / name).mkdir(parents=True)
         (tmp_path / "absent" / name / "__init__.py").write_text(f"raise ImportError('{name} is not installed')\n")
-    return os.environ | {"PYTHONPATH": str(tmp_path / "absent")}
+    return os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "absent"),
+                                                                     os.environ.get("PYTHONPATH")]))}
 
 
 def written(out) -> tuple[list[dict], str]:

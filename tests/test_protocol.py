@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from batchrnn.config import to_container
+from batchrnn.config import ConfigError, to_container, validate
 from batchrnn.protocol import ProtocolError, choose_lrs, mismatch, run_name, setting_key, tuned_lr, variant_key
 from batchrnn.rundir import RESULTS, read_study
 from conftest import ROOT
@@ -65,11 +65,11 @@ def test_each_variant_gets_the_rate_with_the_lowest_mean_validation_wer():
     assert [(c["lr"], c["missing"]) for c in diverged.values()] == [(None, [])]  # no rate to train seeds at
 
 
-def test_final_stage_without_its_tuning_runs_says_what_is_missing(config, tmp_path):
+def test_final_stage_without_its_tuning_runs_says_what_is_missing(config, make_config, tmp_path):
     with pytest.raises(ProtocolError, match=r"tuning stage of gru-none \(L2\) is not complete: .*\(0\.001, 1\)"):
         tuned_lr(tmp_path, config("protocol.lrs=[1e-3,2e-3]", "protocol.stage=final"))
-    with pytest.raises(ProtocolError, match="protocol.lrs is empty"):
-        tuned_lr(tmp_path, config("protocol.stage=final"))
+    with pytest.raises(ConfigError, match="protocol.stage=final: protocol.lrs is empty"):
+        validate(make_config("experiment=smoke", "protocol.stage=final"))
 
 
 def test_study_tunes_each_variant_then_runs_its_seeds_at_the_chosen_rate(tmp_path, smoke_root):

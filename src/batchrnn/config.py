@@ -253,6 +253,9 @@ def validate(cfg: Config | DictConfig) -> None:
         raise ConfigError(f"protocol.lrs={list(p.lrs)}: every learning rate must be positive")
     if not p.seeds or not p.tune_seeds:
         raise ConfigError("protocol.seeds and protocol.tune_seeds: need at least one seed each")
+    if Stage(p.stage) is Stage.final and not p.lrs:
+        raise ConfigError("protocol.stage=final: protocol.lrs is empty, so there is no tuning stage to take a "
+                          "rate from; set protocol.lrs, or drop protocol.stage=final and give train.lr")
     if not m.conv:
         raise ConfigError("model.conv: needs at least one conv layer")
     for i, layer in enumerate(m.conv):

@@ -49,12 +49,16 @@ def full_precision(t: torch.Tensor) -> torch.Tensor:
 
 
 def product_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype of the folds' per-frame statistic products (the D^2-per-frame work): autocast's where
-    autocast is on, since once x is centred, bf16 products with float32 accumulation keep what the
-    statistics need (issue 12); x's own (float32, float64) otherwise. Call it outside the fold's
+    """The dtype of the folds' per-frame statistic products (the D^2-per-frame work): bf16 where bf16
+    autocast is on, since once x is centred, bf16 products (accumulated in float32, rounded to bf16 once)
+    keep what the statistics need (issue 12); x's own (float32, float64) otherwise, and under an fp16
+    autocast, whose range a sum over thousands of frames can overflow. Call it outside the fold's
     autocast-disabled block."""
     kind = x.device.type
-    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else full_precision(x).dtype
+    if torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) is torch.bfloat16 \
+            and x.dtype is not torch.float64:
+        return torch.bfloat16
+    return full_precision(x).dtype
 
 
 def masked_moments(x: torch.Tensor, mask: torch.Tensor, channel_dim: int):
@@ -87,20 +91,21 @@ class QuadraticForm(torch.autograd.Function):
     backward reuses the forward's x M for x's gradient (2 M x), so it costs one D^2 product per row (M's
     gradient), where autograd would do two. The LN fold's |W_c x|^2, through M = W_c^T W_c. Every product
     is one plain matrix product over the C matrices side by side: a batched product over a broadcast x
-    ran 2.6x slower on the CPU (F 3200, D 256, C 2)."""
+    ran 2.5x slower on the CPU (F 3200, D 256, C 2)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         c, d = m.shape[:2]
         xm = (x @ m.transpose(0, 1).reshape(d, c * d)).view(-1, c, d)  # (F, C, D): x M_c for every c
         ctx.save_for_backward(x, xm)
-        return (xm * x[:, None, :]).sum(-1).t()
+        wide = torch.promote_types(x.dtype, torch.float32)  # the per-frame sums in float32 at least (bf16 x)
+        return (xm.to(wide) * x.to(wide)[:, None, :]).sum(-1).t()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, xm = ctx.saved_tensors
         f, c, d = xm.shape
-        g = grad.t()[:, :, None]  # (F, C, 1)
+        g = grad.t()[:, :, None].to(x.dtype)  # (F, C, 1), in the products' dtype
         grad_x = 2 * (g * xm).sum(1)
         grad_m = ((g * x[:, None, :]).reshape(f, c * d).t() @ x).view(c, d, d)  # x^T diag(grad_c) x for every c
         return grad_x, grad_m
@@ -121,8 +126,9 @@ def projected_moments(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, rout
     """Mean and variance of z = W x over valid frames, each (copies, width); x (frames, D) is zero on
     padding, mask (frames, 1), w (copies, width, D). x is centred before its second moment: in float32,
     E[z^2] - E[z]^2 loses what features with a large mean carry. Both routes are exact; they differ
-    only in cost. dtype: that of the per-frame products (default x's); the sums, the mean and the
-    batch-level products stay in x's."""
+    only in cost. dtype: that of the per-frame products (default x's): with bf16, the gram route's x^T x
+    (accumulated in float32, rounded to bf16 once) or the direct route's W x; the mean, the count, the
+    direct route's sum of squares and the batch-level products stay in x's dtype."""
     count = mask.sum()
     mean_x = x.sum(0) / count
     xc = (x - mean_x) * mask  # (frames, D), still zero on padding
@@ -449,7 +455,9 @@ class LayerNormLayer(ProjectedLayer):
 
     def input_folds(self, x, mask):
         wc = self.weight_ih - self.weight_ih.mean(1, keepdim=True)  # (copies, K, D), rows centred
-        dtype = product_dtype(x)  # per-frame products in autocast's dtype; sigma itself in float32
+        # Under bf16 autocast the per-frame products in bf16 (M = W_c^T W_c rounded to bf16 for them), the
+        # per-frame sums, sigma and its inverse in float32.
+        dtype = product_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
             xf, wcf = full_precision(x.flatten(0, 1)), full_precision(wc)  # (T*N, D), zero on padding
             xp = xf.to(dtype)

@@ -56,6 +56,17 @@ def stages(overrides: list[str]) -> list[tuple[str, list[str]]]:
             ("final", [*overrides, "protocol.stage=final", f"seed={as_list(p.seeds)}"])]
 
 
+def exit_status(code: int) -> int:
+    """A child's return code as a shell would show it: killed by signal N (-N) is 128 + N."""
+    return 128 - code if code < 0 else code
+
+
+def worst(a: int, b: int) -> int:
+    """The exit status that says more: 0 (all well) < 3 (some runs diverged, which the protocol counts)
+    < anything else (a user error, a damaged run folder, a crash), the larger of those."""
+    return max(a, b, key=lambda c: (c not in (0, 3), c))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides and sweeps, as for src/run.py -m")
@@ -67,15 +78,15 @@ def main(argv: list[str] | None = None) -> None:
     plan = stages(args.overrides)
     for i, (name, stage) in enumerate(plan):
         print(f"study: stage {name}: src/run.py -m {' '.join(stage)}", flush=True)
-        code = subprocess.run([*RUN, *stage]).returncode
+        code = exit_status(subprocess.run([*RUN, *stage]).returncode)
         # 3: some runs diverged, which the rate choice counts as lost. Anything else stops before the final
         # stage; after it (a variant with no rate to take, a damaged run folder), the report still shows
         # what finished, and the exit status says that something did not.
         if code not in (0, 3) and i < len(plan) - 1:
             sys.exit(code)
-        status = max(status, code)
+        status = worst(status, code)
     report = [sys.executable, "-m", "batchrnn.report", str(study_dir)] + ["--wandb"] * args.wandb
-    status = max(status, subprocess.run(report).returncode)
+    status = worst(status, exit_status(subprocess.run(report).returncode))
     print(f"study: report in {study_dir / 'report.md'}")
     sys.exit(status)
 

@@ -75,6 +75,13 @@ def build(sweep_dir: Path, now: float | None = None) -> Summary:
     kept = [run["result"] for group in runs.values() for run in group]
     protocol = protocol_of(kept)
     choice = choose_lrs(kept, protocol["lrs"], protocol["tune_seeds"]) if protocol else {}
+    devices = defaultdict(set)  # the rate is chosen per variant whatever ran it (as the final stage chose it)
+    for run in (run for group in runs.values() for run in group):
+        devices[variant_key(run["result"]["config"])].add(run["settings"][COMPUTED])
+    for key, found in devices.items():
+        if protocol and len(found) > 1:
+            log.warning("one variant's runs ran on %s: its learning rate was chosen over all of them; a study "
+                        "should run on one kind of device (train.device)", " and ".join(sorted(found)))
 
     columns = varying(runs)
     rows = sorted((make_row(group, columns, protocol, choice) for group in runs.values()), key=lambda r: r["_sort"])

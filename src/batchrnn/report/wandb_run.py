@@ -3,6 +3,7 @@ from pathlib import Path
 
 from batchrnn.config import LoggerConfig, LoggerMode
 from batchrnn.dashboard import save_workspace
+from batchrnn.report.summary import COMPUTED
 
 
 def logger_of(runs_logger: dict, mode: LoggerMode) -> LoggerConfig:
@@ -33,7 +34,8 @@ def log_report(report: dict, out_dir: Path, logger: LoggerConfig) -> str:
     # The study's saved dashboard beside it (online only): the settings the study varies are the groupings.
     swept = [k for k, n in (("model.rnn", "rnn"), ("model.bn", "bn")) if len({r[n] for r in report["rows"]}) > 1]
     url = save_workspace(tracker.mode, logger.entity, logger.project, report["study"],
-                         swept + report["columns"] + ["seed"], Path(out_dir) / "wandb-report" / "dashboard.url")
+                         swept + [c for c in report["columns"] if c != COMPUTED] + ["seed"],  # W&B configs lack it
+                         Path(out_dir) / "wandb-report" / "dashboard.url")
     if url:
         print(f"W&B: study dashboard {url}")
     where = Path(out_dir) / "wandb-report" / "wandb"

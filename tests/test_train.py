@@ -61,6 +61,19 @@ def test_finished_run_is_not_run_again(smoke, tmp_path):
     assert (tmp_path / CHECKPOINT).stat().st_mtime_ns != mtime and rerun["status"] == "finished"
 
 
+def test_a_finished_run_of_another_study_with_the_same_settings_is_taken_not_retrained(smoke, tmp_path):
+    grid = train(smoke("study=grid"), tmp_path / "grid" / "run")
+    taken = train(smoke("study=depth", f"protocol.reuse_from={tmp_path / 'grid'}"), tmp_path / "depth" / "run")
+    assert taken["reused_from"] == str(tmp_path / "grid" / "run") and taken["study"] == "depth"
+    assert {k: taken[k] for k in FINAL_KEYS | {"epochs", "test_utterances"}} == \
+        {k: grid[k] for k in FINAL_KEYS | {"epochs", "test_utterances"}}
+    assert (tmp_path / "depth" / "run" / BEST).exists() and not (tmp_path / "depth" / "run" / CHECKPOINT).exists()
+    # other settings under the same folder name (a changed default, a hand-made name): trained, not taken
+    other = train(smoke("study=depth", "train.lr=0.01", f"protocol.reuse_from={tmp_path / 'grid'}"),
+                  tmp_path / "other" / "run")
+    assert "reused_from" not in other and (tmp_path / "other" / "run" / CHECKPOINT).exists()
+
+
 def test_wandb_offline_run_holds_the_logged_metrics(smoke, tmp_path):
     results = train(smoke("logger.mode=offline"), tmp_path)
     run = read_offline_run(tmp_path)

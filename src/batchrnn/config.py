@@ -183,6 +183,9 @@ class ProtocolConfig:
     tune_seeds: list[int] = field(default_factory=lambda: [1])
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
     stage: Stage = Stage.single
+    # A study folder whose finished runs this study takes instead of training them again, where a run's
+    # settings are the same (its folder name is): the depth study's 3-layer runs are the grid's. "": none.
+    reuse_from: str = ""
 
 
 @dataclass

@@ -6,6 +6,7 @@ A folder belongs to one configuration: a run with other settings is refused, nev
 import json
 import logging
 import random
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -58,6 +59,28 @@ class RunFolder:
         if differ:
             raise RunError(f"{self.path}: holds a run with other settings ({', '.join(differ[:5])}); move that "
                            "folder away, or train.rerun=true to replace it")
+
+    def adopt(self, source_study: Path, config: dict, preset: str | None) -> bool:
+        """Takes the finished run of the same name (so the same settings) from another study's folder,
+        when this folder has no results yet: its results, model and log are copied, its results marked
+        with where they came from and filed under this study. True when it did."""
+        source = Path(source_study) / self.path.name
+        if self.file(RESULTS).exists() or source.resolve() == self.path.resolve():
+            return False
+        try:
+            found = json.loads((source / RESULTS).read_text())
+        except (OSError, ValueError):  # none there, or unreadable: train here as usual
+            return False
+        if not (isinstance(found, dict) and found.get("status") == "finished" and isinstance(found.get("config"), dict)
+                and not mismatch(found["config"], config)):
+            return False
+        for name in (BEST, LOG):
+            if (source / name).exists():
+                atomic_write(self.file(name), lambda tmp, name=name: shutil.copyfile(source / name, tmp))
+        found["config"] = found["config"] | {"study": config["study"]}
+        self.write_results(found | {"study": config["study"], "preset": preset, "reused_from": str(source)})
+        log.info("%s: the finished run %s has the same settings; taken, not trained again", self.path, source)
+        return True
 
     def start(self, rerun: bool) -> None:
         if rerun:

@@ -137,6 +137,8 @@ def train(cfg: DictConfig, out_dir: Path, preset: str | None = None) -> dict:
     config, t = to_container(cfg), cfg.train
     folder = RunFolder(out_dir)
     if not t.rerun:
+        if cfg.protocol.reuse_from:
+            folder.adopt(Path(cfg.protocol.reuse_from), config, preset)
         folder.check_settings(config)
         if (done := folder.results()).get("status") == "finished":
             log.info("%s is finished; train.rerun=true runs it again", folder.path)

@@ -401,3 +401,18 @@ def test_a_stray_run_at_the_chosen_rate_stays_out_of_the_verdict(tmp_path):
     write(tmp_path, "stray", result(config("none", 0, 1e-3), set(range(60)), [0.9, 0.3]))  # seed 0, a plain run
     data = json.loads(write_report(tmp_path).with_name("report.json").read_text())
     assert [(r["bn"], r["seeds"]) for r in data["rows"]] == [("none", [1, 2]), ("input", [1, 2]), ("seqwise", [1, 2])]
+
+
+def test_a_variant_run_on_two_kinds_of_device_is_flagged(tmp_path, caplog):
+    """A study resumed on a GPU machine: seed 2 of gru-none ran again, under bf16 on CUDA. Its rate was chosen
+    over the CPU's tuning runs, so the report warns, and the CUDA run is a row of its own, not a third seed."""
+    protocol_study(tmp_path)
+    p = {"lrs": [1e-3, 3e-3], "tune_seeds": [1], "seeds": [1, 2], "stage": "final"}
+    write(tmp_path, "none-gpu", result(config("none", 2, 1e-3, p), set(range(25)), [0.9, 0.4, 0.3])
+          | {"device": "cuda", "bf16": True})
+    with caplog.at_level(logging.WARNING):
+        write_report(tmp_path)
+    assert any("one variant's runs ran on cpu and cuda bf16" in r.getMessage() for r in caplog.records)
+    rows = json.loads((tmp_path / "report.json").read_text())["rows"]
+    assert [(r["bn"], r["settings"].get("device"), r["seeds"]) for r in rows if r["bn"] == "none"] == [
+        ("none", "cpu", [1, 2]), ("none", "cuda bf16", [2])]

@@ -4,7 +4,7 @@
 # until validation stops improving, then SEEDS at its chosen rate; then the report (also logged to W&B).
 # `make reproduce-depth` passes `depth`: DS2's Table 1 design, experiment=an4_depth, under the same protocol.
 # `make reproduce-norms` passes `norms`: issue 12's ln, wn and ln_full beside the grid, in the grid's folder, so
-# its report compares them with every BN placement. `make studies` passes `all`: grid, depth, norms in turn.
+# its report compares them with every BN placement (NORMS=ln,wn,ln_full,rbn adds Cooijmans's recurrent BN). `make studies` passes `all`: grid, depth, norms in turn.
 # Usage: experiments/reproduce_an4.sh [grid|depth|norms|all] [extra Hydra overrides, e.g. hydra/launcher=parallel]
 # PRESET (an4_gpu with CUDA, else an4_cpu; the grid only) and SEEDS (comma-separated, default the preset's
 # protocol.seeds, 1,2,3) can be set in the environment. Run it again to resume: finished runs are skipped.
@@ -33,7 +33,7 @@ if [ "$STUDY" = depth ]; then
 else
   PRESET="${PRESET:-$($PY -c 'from batchrnn.config import with_device_preset; print(with_device_preset([])[0][11:])')}"
   BN=none,post,input,skip,seqwise
-  [ "$STUDY" = norms ] && BN=ln,wn,ln_full
+  [ "$STUDY" = norms ] && BN="${NORMS:-ln,wn,ln_full}"
   GRID=("experiment=$PRESET" model.rnn=gru,lstm "model.bn=$BN")
 fi
 [ -n "${SEEDS:-}" ] && GRID+=("protocol.seeds=[$SEEDS]")

@@ -264,7 +264,7 @@ def test_label_too_long_for_ctc_is_left_out_counted_and_logged(handled):
 
 @pytest.mark.parametrize("key,value,allowed", [("model.rnn", "transformer", "[gru, lstm, rnn]"),
                                                ("model.bn", "layer",
-                                                "[none, post, input, skip, seqwise, ln, ln_full, wn]")])
+                                                "[none, post, input, skip, seqwise, ln, ln_full, wn, rbn]")])
 def test_unknown_variant_on_the_command_line(tmp_path, key, value, allowed):
     run = cli(f"{key}={value}", f"hydra.run.dir={tmp_path / 'run'}", timeout=60)
     assert run.returncode != 0 and "Traceback" not in run.stderr

@@ -40,7 +40,8 @@ def test_dry_run_records_every_planned_step_without_wandb(tmp_path, smoke_root):
     assert steps["pytest-gpu"]["counts"]["skipped"] > 0 and "failed" not in steps["pytest-gpu"]["counts"]
     variants = [(rnn, bn, impl) for rnn in ("gru", "lstm") for bn, impl in
                 [("none", "fused"), ("post", "fused"), ("input", "fused"), ("skip", "fused"), ("seqwise", "fused"),
-                 ("ln", "fused"), ("wn", "fused"), ("seqwise", "cells"), ("ln_full", "fused")]]
+                 ("ln", "fused"), ("wn", "fused"), ("seqwise", "cells"), ("ln_full", "fused"),
+                 ("rbn", "fused")]]
     for name, amp in (("bench-bf16", True), ("bench-fp32", False)):
         assert [(r["rnn"], r["bn"], r["impl"]) for r in steps[name]["rows"]] == variants
         assert all(r["amp"] is amp and r["ms"] > 0 for r in steps[name]["rows"])

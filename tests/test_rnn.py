@@ -182,6 +182,57 @@ def test_ln_full_matches_hand_written_layer_norm_rnn(rnn):
     torch.testing.assert_close(m(x, LENGTHS), ba_et_al_by_hand(m, x, LENGTHS), rtol=1e-10, atol=1e-12)
 
 
+def cooijmans_by_hand(m, x, lengths):
+    """Cooijmans et al.'s recurrent BN written out step by step: at step t, BN of W x_t, of U h_{t-1} and of
+    the LSTM's cell, each over the sequences still running at t (batch moments, biased variance); the
+    backward direction's step t is its t-th, from each sequence's last frame."""
+    lengths = lengths.tolist()
+    out = torch.zeros(x.shape[0], x.shape[1], H, dtype=x.dtype)
+
+    def bn(v, rows, gain, bias, eps=1e-5):
+        mean, var = v[rows].mean(0), v[rows].var(0, unbiased=False)
+        return (v - mean) / torch.sqrt(var + eps) * gain + bias
+
+    for d in range(2):
+        seqs = [x[:n_t, i] if d == 0 else x[:n_t, i].flip(0) for i, n_t in enumerate(lengths)]
+        h, c = torch.zeros(len(lengths), H, dtype=x.dtype), torch.zeros(len(lengths), H, dtype=x.dtype)
+        for t in range(max(lengths)):
+            rows = [i for i, n_t in enumerate(lengths) if n_t > t]
+            x_t = torch.stack([seqs[i][t] if i in rows else torch.zeros(x.shape[2], dtype=x.dtype)
+                               for i in range(len(lengths))])
+            a = bn(x_t @ m.weight_ih[d].t(), rows, m.gain_ih[d], m.bias_ih[d])
+            b = bn(h @ m.weight_hh[d].t(), rows, m.gain_hh[d], m.bias_hh[d])
+            if m.rnn is RNNType.lstm:
+                i_, f, g, o = (a + b).chunk(4, 1)
+                c = torch.sigmoid(f) * c + torch.sigmoid(i_) * torch.tanh(g)
+                h = torch.sigmoid(o) * torch.tanh(bn(c, rows, m.gain_cell[d], m.bias_cell[d]))
+            else:
+                h = torch.stack([gru_step_by_hand(a[i], b[i], h[i]) for i in range(len(lengths))])
+            for i in rows:
+                out[t if d == 0 else lengths[i] - 1 - t, i] += h[i]
+    return out
+
+
+@pytest.mark.parametrize("rnn", ["gru", "lstm"])
+def test_rbn_matches_hand_written_recurrent_batch_norm(rnn):
+    m = perturbed(layer(rnn, "rbn"))
+    x = torch.randn(T, N, D, dtype=torch.float64)
+    torch.testing.assert_close(m(x, LENGTHS), cooijmans_by_hand(m, x, LENGTHS), rtol=1e-10, atol=1e-12)
+    # the population moments of step t move 0.1 of the way to that step's batch moments (from 0 and 1)
+    z = x[:, :, :] @ m.weight_ih[0].t()  # the forward direction reads x in order
+    for t in (0, 4, 8):
+        rows = [i for i, n_t in enumerate(LENGTHS.tolist()) if n_t > t]
+        torch.testing.assert_close(m.running_mean_ih[0, t], 0.1 * z[t, rows].mean(0))
+        unbiased = z[t, rows].var(0) if len(rows) > 1 else z[t, rows].var(0, unbiased=False)
+        torch.testing.assert_close(m.running_var_ih[0, t], 0.9 + 0.1 * unbiased)
+    assert (m.running_mean_ih[:, T:] == 0).all(), "steps no batch reached keep their start"
+    # eval: each step's population moments, and a step past MAX_STEPS takes the last step's
+    m.eval()
+    long = torch.randn(m.MAX_STEPS + 3, 1, D, dtype=torch.float64)
+    y = m(long, torch.tensor([long.shape[0]]))
+    assert y.shape == (m.MAX_STEPS + 3, 1, H) and torch.isfinite(y).all()
+
+
 @pytest.mark.parametrize("rnn", ["gru", "lstm"])
 def test_public_kernel_matches_the_cell_loop(rnn):
     """torch's fused GRU/LSTM through torch.func.functional_call, against the recurrence written out."""
@@ -227,6 +278,9 @@ def test_parameter_names_and_shapes_are_stable():
     assert shapes("lstm", "ln_full") == {"weight_hh": (2, k4, H), "bias_hh": (2, k4), "weight_ih": (2, k4, D),
                                          "gain_ih": (2, k4), "bias_ih": (2, k4), "gain_hh": (2, k4),
                                          "gain_cell": (2, H), "bias_cell": (2, H)}
+    steps = build_recurrent_layer("lstm", "rbn", D, H).MAX_STEPS
+    assert shapes("lstm", "rbn") == shapes("lstm", "ln_full") | {
+        f"running_{s}_{n}": (2, steps, w) for s in ("mean", "var") for n, w in (("ih", k4), ("hh", k4), ("cell", H))}
     assert shapes("gru", "wn") == recurrent | wn
     assert shapes("gru", "wn", weight_norm_recurrent=True) == {"weight_hh_v": (2, k, H), "weight_hh_g": (2, k),
                                                                 "bias_hh": (2, k)} | wn
@@ -236,8 +290,9 @@ def test_parameter_names_and_shapes_are_stable():
 def test_share_input_weights_holds_one_projection(bn):
     separate = shapes("lstm", bn)
     # W and what normalises it once for both directions: its gain, shift or g, and BN's statistics of W x
-    once = {name: (1, *s[1:]) if "_ih" in name else (s[0] // 2,) if name.startswith("bn.") and s else s
-            for name, s in separate.items()}
+    # (rbn's statistics are per step of each direction, whose steps differ: they stay per direction)
+    once = {name: (1, *s[1:]) if "_ih" in name and not name.startswith("running_") else
+            (s[0] // 2,) if name.startswith("bn.") and s else s for name, s in separate.items()}
     assert shapes("lstm", bn, share_input_weights=True) == once != separate
 
 

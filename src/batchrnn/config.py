@@ -26,6 +26,7 @@ class BNMode(str, Enum):
     ln = "ln"  # LayerNorm of W x over one frame's gates x H inside the recurrence, folded into the fused kernel
     ln_full = "ln_full"  # Ba et al.'s LayerNorm LSTM/GRU: LN of W x, of U h and (LSTM) of the cell; a step loop
     wn = "wn"  # weight normalisation of W's rows (and U's, model.weight_norm_recurrent), folded into the kernel
+    rbn = "rbn"  # Cooijmans et al.'s recurrent BN: BN per time step of W x, of U h and (LSTM) of the cell; a step loop
 
 
 class CorpusName(str, Enum):
@@ -104,7 +105,7 @@ class ModelConfig:
     # DS2 sums the two directions, so the next layer's input stays hidden_size wide.
     bidirectional: bool = True
     # DS2 shares the input weights W between the two directions (variants with an input projection of
-    # their own: skip, seqwise, ln, ln_full, wn).
+    # their own: skip, seqwise, ln, ln_full, wn, rbn).
     share_input_weights: bool = False
     # model.bn=wn only: weight-normalise the recurrent weights U too (Salimans & Kingma normalise every
     # weight). Off by default, so that wn, like the other variants, changes only how x enters the gates.

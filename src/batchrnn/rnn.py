@@ -187,20 +187,21 @@ class MaskedBatchNorm(nn.Module):
 
 
 def affine(w: torch.Tensor, b: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """h -> U h + b: the plain recurrent pre-activations."""
-    return lambda h: torch.addmm(b, h, w.t())
+    """(h, t) -> U h + b: the plain recurrent pre-activations, the same at every step."""
+    return lambda h, t: torch.addmm(b, h, w.t())
 
 
 def cell_loop(rnn: RNNType, z: torch.Tensor, recurrent: Callable, cell_norm: Callable | None = None) -> torch.Tensor:
     """The recurrence written out per step over input pre-activations z (T, N, gates x H), gate order as
-    torch's. recurrent(h) gives the recurrent pre-activations (U h + b; ln_full's LN(U h)); cell_norm
+    torch's. recurrent(h, t) gives step t's recurrent pre-activations (U h + b; ln_full's LN(U h); rbn's
+    BN_t(U h)); cell_norm(c, t)
     normalises the LSTM's cell before its output gate (ln_full). rnn is DS2's clipped ReLU, which no
     fused kernel has."""
     h = z.new_zeros(z.shape[1], z.shape[2] // GATES[rnn])
     c = torch.zeros_like(h)
     out = []
-    for z_t in z:
-        g_h = recurrent(h)
+    for t, z_t in enumerate(z):
+        g_h = recurrent(h, t)
         if rnn is RNNType.rnn:
             h = torch.clamp(z_t + g_h, 0.0, RELU_CLIP)
         elif rnn is RNNType.gru:
@@ -212,7 +213,7 @@ def cell_loop(rnn: RNNType, z: torch.Tensor, recurrent: Callable, cell_norm: Cal
         else:
             i, f, g, o = (z_t + g_h).chunk(4, 1)
             c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-            h = torch.sigmoid(o) * torch.tanh(c if cell_norm is None else cell_norm(c))
+            h = torch.sigmoid(o) * torch.tanh(c if cell_norm is None else cell_norm(c, t))
         out.append(h)
     return torch.stack(out)
 
@@ -294,7 +295,7 @@ class RecurrentLayer(nn.Module):
         for d in range(self.directions):
             seq = inputs[d] if d == 0 else gather_time(inputs[d], rev)
             if self.step_loop:
-                h = self.recurrence(seq, d)
+                h = self.recurrence(seq, d, mask)
             else:
                 h = fused_recurrence(self.rnn, seq, folds[d].weight, folds[d].bias, *self.recurrent_weights(d),
                                      self.training)
@@ -316,7 +317,9 @@ class RecurrentLayer(nn.Module):
     def recurrent_weights(self, d: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.weight_hh[d], self.bias_hh[d]
 
-    def recurrence(self, z: torch.Tensor, d: int) -> torch.Tensor:
+    def recurrence(self, z: torch.Tensor, d: int, mask: torch.Tensor) -> torch.Tensor:
+        """Direction d's outputs (T, N, H) from its input pre-activations z (T, N, gates x H), in the order it
+        reads them (the backward direction's reversed within each length); mask (T, N, 1): valid steps."""
         return cell_loop(self.rnn, z, affine(*self.recurrent_weights(d)))
 
 
@@ -496,15 +499,85 @@ class FullLayerNormLayer(LayerNormLayer):
             self.gain_cell = nn.Parameter(torch.ones(self.directions, self.hidden_size))
             self.bias_cell = nn.Parameter(torch.zeros(self.directions, self.hidden_size))
 
-    def recurrence(self, z, d):
+    def recurrence(self, z, d, mask):
         w_hh, b_hh = self.recurrent_weights(d)
         gain_hh = self.gain_hh[d]
 
-        def recurrent(h):
+        def recurrent(h, t):
             return F.layer_norm(h @ w_hh.t(), (self.width,), gain_hh, b_hh, LN_EPS)
 
-        def cell_norm(c):
+        def cell_norm(c, t):
             return F.layer_norm(c, (self.hidden_size,), self.gain_cell[d], self.bias_cell[d], LN_EPS)
+
+        return cell_loop(self.rnn, z, recurrent, cell_norm if self.rnn is RNNType.lstm else None)
+
+
+def step_moments(z: torch.Tensor, mask: torch.Tensor):
+    """Mean and biased variance of z (S, N, F) over each step's valid rows (mask (S, N, 1)), each (S, F),
+    and the count (S, 1); in float32 under autocast. A step with no valid row gets 0 and 0."""
+    z, mask = full_precision(z), full_precision(mask)
+    count = mask.sum(1)
+    safe = count.clamp_min(1)
+    mean = (z * mask).sum(1) / safe
+    return mean, ((z - mean[:, None]).square() * mask).sum(1) / safe, count
+
+
+class RecurrentBNLayer(FullLayerNormLayer):
+    """bn=rbn: Cooijmans et al.'s (2016) recurrent batch normalisation, a step loop: ln_full's structure
+    with a BN in place of each LN, its statistics per time step. LSTM (their eq. 6-8): (i, f, g, o) =
+    BN_t(W x_t) + BN_t(U h_{t-1}), c_t = s(f) c_{t-1} + s(i) tanh(g), h_t = s(o) tanh(BN_t(c_t)); GRU and rnn
+    as ln_full's. In training, BN_t takes the moments of step t over the batch's valid sequences (for the
+    backward direction, its own t-th step); in eval, the population moments of step t, averaged as
+    BatchNorm's running ones, steps from MAX_STEPS on sharing the last one's (their T_max). The gains start
+    at 0.1 and the shifts at 0, as theirs; parameters under ln_full's names, the moments in buffers
+    running_{mean,var}_{ih,hh,cell} of (directions, MAX_STEPS, features).
+    """
+
+    MAX_STEPS = 512  # frames after the front end: AN4's longest utterance is under this at time stride 2
+    GAIN, MOMENTUM, EPS = 0.1, 0.1, 1e-5
+
+    def __init__(self, cfg: ModelConfig, input_size: int):
+        super().__init__(cfg, input_size)
+        norms = {"ih": self.width, "hh": self.width} | ({"cell": self.hidden_size} if self.rnn is RNNType.lstm else {})
+        with torch.no_grad():
+            for name in norms:
+                getattr(self, f"gain_{name}").fill_(self.GAIN)
+                getattr(self, f"bias_{name}").zero_()
+        for name, width in norms.items():
+            self.register_buffer(f"running_mean_{name}", torch.zeros(self.directions, self.MAX_STEPS, width))
+            self.register_buffer(f"running_var_{name}", torch.ones(self.directions, self.MAX_STEPS, width))
+
+    def step_norm(self, name: str, d: int, z: torch.Tensor, mask: torch.Tensor, first: int, gain, bias):
+        """BN_t of z (S, N, F) for steps first..first+S-1, direction d; mask (S, N, 1)."""
+        means, variances = getattr(self, f"running_mean_{name}")[d], getattr(self, f"running_var_{name}")[d]
+        steps = torch.arange(first, first + z.shape[0], device=z.device)
+        if self.training:
+            mean, var, count = step_moments(z, mask)
+            with torch.no_grad():  # the population moments of the steps with a slot of their own and a valid row
+                keep = (steps < self.MAX_STEPS) & (count[:, 0] > 0)
+                unbiased = var * count / (count - 1).clamp_min(1)
+                slots = steps[keep]
+                means[slots] = means[slots].lerp(mean[keep].to(means.dtype), self.MOMENTUM)
+                variances[slots] = variances[slots].lerp(unbiased[keep].to(variances.dtype), self.MOMENTUM)
+        else:
+            slots = steps.clamp_max(self.MAX_STEPS - 1)
+            mean, var = means[slots], variances[slots]
+        normed = (full_precision(z) - mean[:, None]) * torch.rsqrt(var[:, None] + self.EPS)
+        return normed.to(z.dtype) * gain + bias
+
+    def input_preactivations(self, x, mask):  # W x as it comes: its BN_t is per step of each direction
+        return [x @ self.weight_ih[k].t() for k in self.copy_of]
+
+    def recurrence(self, z, d, mask):
+        k, w_hh = self.copy_of[d], self.weight_hh[d]
+        z = self.step_norm("ih", d, z, mask, 0, self.gain_ih[k], self.bias_ih[k])
+
+        def recurrent(h, t):
+            return self.step_norm("hh", d, (h @ w_hh.t())[None], mask[t : t + 1], t, self.gain_hh[d],
+                                  self.bias_hh[d])[0]
+
+        def cell_norm(c, t):
+            return self.step_norm("cell", d, c[None], mask[t : t + 1], t, self.gain_cell[d], self.bias_cell[d])[0]
 
         return cell_loop(self.rnn, z, recurrent, cell_norm if self.rnn is RNNType.lstm else None)
 
@@ -561,5 +634,6 @@ LAYERS: dict[BNMode, type[RecurrentLayer]] = {
     BNMode.seqwise: SeqwiseBNLayer,
     BNMode.ln: LayerNormLayer,
     BNMode.ln_full: FullLayerNormLayer,
+    BNMode.rbn: RecurrentBNLayer,
     BNMode.wn: WeightNormLayer,
 }

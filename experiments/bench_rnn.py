@@ -115,7 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: torch's default)")
-    p.add_argument("--no-cells", action="store_true", help="skip the step loops: the cell reference and ln_full")
+    p.add_argument("--no-cells", action="store_true", help="skip the step loops: the cell reference, ln_full, rbn")
+    p.add_argument("--bn", default="", help="comma-separated model.bn values to time (default: all; none always, "
+                   "as the ratios' base)")
     quick = ", ".join(f"--{k} {v}" for k, v in QUICK.items())
     p.add_argument("--quick", action="store_true", help=f"a tiny run to check the script in seconds: {quick}")
     p.add_argument("--amp", action="store_true", help="bf16 autocast, as train.amp on CUDA (default: float32)")
@@ -131,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     lengths = torch.full((args.batch,), args.frames, device=device)
     if args.ragged:
         lengths = torch.linspace(args.frames // 2, args.frames, args.batch, device=device).long()
-    variants = [v for v in VARIANTS if not (args.no_cells and v in LOOPS)]
+    chosen = {BNMode(b) for b in args.bn.split(",") if b} | {BNMode.none}
+    variants = [v for v in VARIANTS if not (args.no_cells and v in LOOPS) and (not args.bn or v[0] in chosen)]
     rows = []
     rnns = args.rnn.split(",")
     started = time.perf_counter()

@@ -547,39 +547,66 @@ class RecurrentBNLayer(FullLayerNormLayer):
             self.register_buffer(f"running_mean_{name}", torch.zeros(self.directions, self.MAX_STEPS, width))
             self.register_buffer(f"running_var_{name}", torch.ones(self.directions, self.MAX_STEPS, width))
 
-    def step_norm(self, name: str, d: int, z: torch.Tensor, mask: torch.Tensor, first: int, gain, bias):
-        """BN_t of z (S, N, F) for steps first..first+S-1, direction d; mask (S, N, 1)."""
-        means, variances = getattr(self, f"running_mean_{name}")[d], getattr(self, f"running_var_{name}")[d]
-        steps = torch.arange(first, first + z.shape[0], device=z.device)
-        if self.training:
-            mean, var, count = step_moments(z, mask)
-            with torch.no_grad():  # the population moments of the steps with a slot of their own and a valid row
-                keep = (steps < self.MAX_STEPS) & (count[:, 0] > 0)
-                unbiased = var * count / (count - 1).clamp_min(1)
-                slots = steps[keep]
-                means[slots] = means[slots].lerp(mean[keep].to(means.dtype), self.MOMENTUM)
-                variances[slots] = variances[slots].lerp(unbiased[keep].to(variances.dtype), self.MOMENTUM)
-        else:
-            slots = steps.clamp_max(self.MAX_STEPS - 1)
-            mean, var = means[slots], variances[slots]
-        normed = (full_precision(z) - mean[:, None]) * torch.rsqrt(var[:, None] + self.EPS)
-        return normed.to(z.dtype) * gain + bias
+    def population(self, name: str, d: int, steps) -> tuple[torch.Tensor, torch.Tensor]:
+        """The population mean and variance of direction d at steps (an int or a tensor of them)."""
+        slots = steps.clamp_max(self.MAX_STEPS - 1) if torch.is_tensor(steps) else min(steps, self.MAX_STEPS - 1)
+        return getattr(self, f"running_mean_{name}")[d, slots], getattr(self, f"running_var_{name}")[d, slots]
+
+    def remember(self, name: str, d: int, mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor) -> None:
+        """The population moments of steps 0..S-1 (those below MAX_STEPS with a valid row) take a step of
+        MOMENTUM towards the batch's (mean, var (S, F), count (S, 1)), as BatchNorm's running ones."""
+        n = min(mean.shape[0], self.MAX_STEPS)
+        means, variances = getattr(self, f"running_mean_{name}")[d, :n], getattr(self, f"running_var_{name}")[d, :n]
+        with torch.no_grad():
+            count = count[:n].to(means.dtype)
+            valid, unbiased = count > 0, var[:n] * count / (count - 1).clamp_min(1)
+            means.copy_(torch.where(valid, means.lerp(mean[:n].to(means.dtype), self.MOMENTUM), means))
+            variances.copy_(torch.where(valid, variances.lerp(unbiased.to(variances.dtype), self.MOMENTUM), variances))
+
+    def normalise(self, v: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, gain, bias) -> torch.Tensor:
+        scale = gain * torch.rsqrt(var + self.EPS)
+        return torch.addcmul(bias - mean * scale, full_precision(v), scale)
 
     def input_preactivations(self, x, mask):  # W x as it comes: its BN_t is per step of each direction
         return [x @ self.weight_ih[k].t() for k in self.copy_of]
 
     def recurrence(self, z, d, mask):
         k, w_hh = self.copy_of[d], self.weight_hh[d]
-        z = self.step_norm("ih", d, z, mask, 0, self.gain_ih[k], self.bias_ih[k])
+        steps = torch.arange(z.shape[0], device=z.device)
+        if self.training:
+            mean, var, count = step_moments(z, mask)
+            self.remember("ih", d, mean.detach(), var.detach(), count)
+        else:
+            mean, var = self.population("ih", d, steps)
+        z = self.normalise(z, mean[:, None], var[:, None], self.gain_ih[k], self.bias_ih[k])
+        # The rows longest first, so that the sequences still running at step t are the first running[t]:
+        # each step's moments are one var_mean over a slice.
+        order = torch.argsort(mask[:, :, 0].sum(0), descending=True, stable=True)
+        running = mask[:, :, 0].sum(1).long().tolist()
+        seen = {"hh": [], "cell": []}
+
+        def step(name, v, t, gain, bias):  # BN_t of v (N, F), the rows in `order`
+            if not self.training:
+                return self.normalise(v, *self.population(name, d, t), gain, bias)
+            if not running[t]:  # no sequence runs at t: nothing to normalise for
+                return full_precision(v)
+            var, mean = torch.var_mean(full_precision(v[: running[t]]), dim=0, correction=0)
+            seen[name].append((mean.detach(), var.detach()))
+            return self.normalise(v, mean, var, gain, bias)
 
         def recurrent(h, t):
-            return self.step_norm("hh", d, (h @ w_hh.t())[None], mask[t : t + 1], t, self.gain_hh[d],
-                                  self.bias_hh[d])[0]
+            return step("hh", h @ w_hh.t(), t, self.gain_hh[d], self.bias_hh[d])
 
         def cell_norm(c, t):
-            return self.step_norm("cell", d, c[None], mask[t : t + 1], t, self.gain_cell[d], self.bias_cell[d])[0]
+            return step("cell", c, t, self.gain_cell[d], self.bias_cell[d])
 
-        return cell_loop(self.rnn, z, recurrent, cell_norm if self.rnn is RNNType.lstm else None)
+        out = cell_loop(self.rnn, z[:, order], recurrent, cell_norm if self.rnn is RNNType.lstm else None)
+        for name, moments in seen.items():
+            if moments:
+                mean, var = (torch.stack(m) for m in zip(*moments))
+                counts = torch.tensor(running[: len(moments)], device=z.device)[:, None]
+                self.remember(name, d, mean, var, counts)
+        return out[:, torch.argsort(order)]
 
 
 def weight_norm(g: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ machine (other load, turbo, thermal) hits every variant alike.
 
 The defaults take about 3 minutes on 2 CPU cores; after its first round it prints its own estimate.
 
-Prints a table, then one JSON line per row: rnn, bn, impl, loop (a step loop: impl=cells, ln_full), ms,
+Prints a table, then one JSON line per row: rnn, bn, impl, loop (a step loop: impl=cells, ln_full, rbn), ms,
 peak_mb, time_ratio, mem_ratio, amp.
 Memory: CUDA max allocated on a GPU; on the CPU the profiler's peak of live tensor bytes. Both count
 the parameters and the input plus everything the step allocates.
@@ -31,7 +31,7 @@ from batchrnn.config import BNMode, Impl  # noqa: E402
 from batchrnn.model import build_recurrent_layer  # noqa: E402
 from batchrnn.rnn import LAYERS  # noqa: E402
 
-# Step loops (the cells reference, ln_full) after the fused variants; --no-cells skips them.
+# Step loops (the cells reference, ln_full, rbn) after the fused variants; --no-cells skips them.
 LOOPS = [(BNMode.seqwise, Impl.cells)] + [(bn, Impl.fused) for bn, layer in LAYERS.items() if not layer.fused]
 VARIANTS = [(bn, Impl.fused) for bn, layer in LAYERS.items() if layer.fused] + LOOPS
 QUICK = {"frames": 20, "hidden": 32, "layers": 2, "repeats": 2, "warmup": 1}  # --quick; flags given still win

@@ -182,55 +182,96 @@ def test_ln_full_matches_hand_written_layer_norm_rnn(rnn):
     torch.testing.assert_close(m(x, LENGTHS), ba_et_al_by_hand(m, x, LENGTHS), rtol=1e-10, atol=1e-12)
 
 
-def cooijmans_by_hand(m, x, lengths):
+def cooijmans_by_hand(m, x, lengths, training):
     """Cooijmans et al.'s recurrent BN written out step by step: at step t, BN of W x_t, of U h_{t-1} and of
     the LSTM's cell, each over the sequences still running at t (batch moments, biased variance); the
-    backward direction's step t is its t-th, from each sequence's last frame."""
+    backward direction's step t is its t-th, from each sequence's last frame. In training, a step with
+    fewer than two sequences running takes the moments of the last step with two. In eval, the population
+    moments held before the call, of step t or, past the trained steps, of the last trained one. Returns
+    the outputs and the batch moments it used."""
     lengths = lengths.tolist()
-    out = torch.zeros(x.shape[0], x.shape[1], H, dtype=x.dtype)
+    n_seq, moments = len(lengths), {}
+    pop = {name: (getattr(m, f"running_mean_{name}").clone(), getattr(m, f"running_var_{name}").clone())
+           for name in ("ih", "hh", "cell") if hasattr(m, f"running_mean_{name}")}
+    tmax = m.trained_steps.tolist()
+    out = torch.zeros(x.shape[0], n_seq, H, dtype=x.dtype)
 
-    def bn(v, rows, gain, bias, eps=1e-5):
-        mean, var = v[rows].mean(0), v[rows].var(0, unbiased=False)
+    last = {}
+
+    def bn(name, d, t, v, rows, gain, bias, eps=1e-5):
+        if training and len(rows) >= 2:
+            mean, var = v[rows].mean(0), v[rows].var(0, unbiased=False)
+            moments[name, d, t] = (mean.detach(), var.detach(), len(rows))
+            last[name, d] = mean, var
+        elif training and (name, d) in last:
+            mean, var = last[name, d]
+        else:
+            slot = min(t, max(tmax[d] - 1, 0))
+            mean, var = pop[name][0][d, slot], pop[name][1][d, slot]
         return (v - mean) / torch.sqrt(var + eps) * gain + bias
 
     for d in range(2):
         seqs = [x[:n_t, i] if d == 0 else x[:n_t, i].flip(0) for i, n_t in enumerate(lengths)]
-        h, c = torch.zeros(len(lengths), H, dtype=x.dtype), torch.zeros(len(lengths), H, dtype=x.dtype)
+        h, c = torch.zeros(n_seq, H, dtype=x.dtype), torch.zeros(n_seq, H, dtype=x.dtype)
         for t in range(max(lengths)):
             rows = [i for i, n_t in enumerate(lengths) if n_t > t]
             x_t = torch.stack([seqs[i][t] if i in rows else torch.zeros(x.shape[2], dtype=x.dtype)
-                               for i in range(len(lengths))])
-            a = bn(x_t @ m.weight_ih[d].t(), rows, m.gain_ih[d], m.bias_ih[d])
-            b = bn(h @ m.weight_hh[d].t(), rows, m.gain_hh[d], m.bias_hh[d])
+                               for i in range(n_seq)])
+            a = bn("ih", d, t, x_t @ m.weight_ih[d].t(), rows, m.gain_ih[d], m.bias_ih[d])
+            b = bn("hh", d, t, h @ m.weight_hh[d].t(), rows, m.gain_hh[d], m.bias_hh[d])
             if m.rnn is RNNType.lstm:
                 i_, f, g, o = (a + b).chunk(4, 1)
                 c = torch.sigmoid(f) * c + torch.sigmoid(i_) * torch.tanh(g)
-                h = torch.sigmoid(o) * torch.tanh(bn(c, rows, m.gain_cell[d], m.bias_cell[d]))
+                h = torch.sigmoid(o) * torch.tanh(bn("cell", d, t, c, rows, m.gain_cell[d], m.bias_cell[d]))
             else:
-                h = torch.stack([gru_step_by_hand(a[i], b[i], h[i]) for i in range(len(lengths))])
+                h = torch.stack([gru_step_by_hand(a[i], b[i], h[i]) for i in range(n_seq)])
             for i in rows:
-                out[t if d == 0 else lengths[i] - 1 - t, i] += h[i]
-    return out
+                out[t if d == 0 else lengths[i] - 1 - t, i] = out[t if d == 0 else lengths[i] - 1 - t, i] + h[i]
+    return out, moments
 
 
 @pytest.mark.parametrize("rnn", ["gru", "lstm"])
-def test_rbn_matches_hand_written_recurrent_batch_norm(rnn):
+@pytest.mark.parametrize("lengths", [[2, 9, 5], [5, 9, 5, 1]], ids=["unsorted", "ties"])
+def test_rbn_matches_hand_written_recurrent_batch_norm(rnn, lengths):
+    lengths = torch.tensor(lengths)
     m = perturbed(layer(rnn, "rbn"))
-    x = torch.randn(T, N, D, dtype=torch.float64)
-    torch.testing.assert_close(m(x, LENGTHS), cooijmans_by_hand(m, x, LENGTHS), rtol=1e-10, atol=1e-12)
-    # the population moments of step t move 0.1 of the way to that step's batch moments (from 0 and 1)
-    z = x[:, :, :] @ m.weight_ih[0].t()  # the forward direction reads x in order
-    for t in (0, 4, 8):
-        rows = [i for i, n_t in enumerate(LENGTHS.tolist()) if n_t > t]
-        torch.testing.assert_close(m.running_mean_ih[0, t], 0.1 * z[t, rows].mean(0))
-        unbiased = z[t, rows].var(0) if len(rows) > 1 else z[t, rows].var(0, unbiased=False)
-        torch.testing.assert_close(m.running_var_ih[0, t], 0.9 + 0.1 * unbiased)
-    assert (m.running_mean_ih[:, T:] == 0).all(), "steps no batch reached keep their start"
-    # eval: each step's population moments, and a step past MAX_STEPS takes the last step's
+    with torch.no_grad():  # every step's population moments its own; 3 steps trained so far (T_max 3)
+        for name, buf in m.named_buffers():
+            if name.startswith("running_"):
+                buf.uniform_(0.5, 2) if "var" in name else buf.uniform_(-1, 1)
+        m.trained_steps.fill_(3)
+    before = {name: buf.clone() for name, buf in m.named_buffers()}
+    x = torch.randn(T, len(lengths), D, dtype=torch.float64, requires_grad=True)
+    want, moments = cooijmans_by_hand(m, x, lengths, training=True)
+    got = m(x, lengths)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    weight = torch.linspace(-1, 1, H, dtype=x.dtype)
+    for a, b in zip(*(torch.autograd.grad((y * weight).sum(), [x, *m.parameters()]) for y in (got, want))):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    # each step with two sequences or more moves its population moments 0.1 of the way to the batch's
+    assert moments
+    for name, buf in m.named_buffers():
+        if not name.startswith("running_"):
+            continue
+        norm, stat = name.split("_")[2], name.split("_")[1]
+        for d in range(2):
+            for t in range(m.MAX_STEPS if t_max_check(name) else T):
+                if (norm, d, t) in moments:
+                    mean, var, rows = moments[norm, d, t]
+                    target = mean if stat == "mean" else var * rows / (rows - 1)
+                    torch.testing.assert_close(buf[d, t], before[name][d, t].lerp(target, 0.1))
+                else:  # one sequence or none at t, or a step no batch reached: left as it was
+                    assert torch.equal(buf[d, t], before[name][d, t]), (name, d, t)
+    assert m.trained_steps.tolist() == [5, 5], "T_max: the steps with two sequences running"
+    # eval: the population moments of each step; past T_max, those of its last step
     m.eval()
-    long = torch.randn(m.MAX_STEPS + 3, 1, D, dtype=torch.float64)
-    y = m(long, torch.tensor([long.shape[0]]))
-    assert y.shape == (m.MAX_STEPS + 3, 1, H) and torch.isfinite(y).all()
+    torch.testing.assert_close(m(x, lengths), cooijmans_by_hand(m, x, lengths, training=False)[0],
+                               rtol=1e-10, atol=1e-12)
+
+
+def t_max_check(name: str) -> bool:
+    """Every step of the statistics (all MAX_STEPS of them), checked once: the one buffer of each kind."""
+    return name == "running_mean_ih"
 
 
 @pytest.mark.parametrize("rnn", ["gru", "lstm"])

@@ -41,7 +41,7 @@ class Stage(str, Enum):
 
 
 class Impl(str, Enum):
-    fused = "fused"  # the library's fused RNN kernel (cuDNN on CUDA); for ln_full, which has no other, its step loop
+    fused = "fused"  # the library's fused RNN kernel (cuDNN on CUDA); ln_full and rbn, with no other: their step loops
     cells = "cells"  # a Python loop over time with autograd cells: the slow reference (seqwise, ln, wn)
 
 

@@ -321,7 +321,8 @@ def test_parameter_names_and_shapes_are_stable():
                                          "gain_cell": (2, H), "bias_cell": (2, H)}
     steps = build_recurrent_layer("lstm", "rbn", D, H).MAX_STEPS
     assert shapes("lstm", "rbn") == shapes("lstm", "ln_full") | {
-        f"running_{s}_{n}": (2, steps, w) for s in ("mean", "var") for n, w in (("ih", k4), ("hh", k4), ("cell", H))}
+        f"running_{s}_{n}": (2, steps, w) for s in ("mean", "var") for n, w in (("ih", k4), ("hh", k4), ("cell", H))
+    } | {"trained_steps": (2,)}
     assert shapes("gru", "wn") == recurrent | wn
     assert shapes("gru", "wn", weight_norm_recurrent=True) == {"weight_hh_v": (2, k, H), "weight_hh_g": (2, k),
                                                                 "bias_hh": (2, k)} | wn

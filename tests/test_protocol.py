@@ -63,6 +63,9 @@ def test_each_variant_gets_the_rate_with_the_lowest_mean_validation_wer():
     assert [c["lr"] for c in twice.values()] == [2e-3]  # the finished copy of a run counts, not the other
     diverged = choose_lrs([result(1e-3, 1, 0.3, "diverged"), result(2e-3, 1, 0.1, "diverged")], [1e-3, 2e-3], [1])
     assert [(c["lr"], c["missing"]) for c in diverged.values()] == [(None, [])]  # no rate to train seeds at
+    for order in (1, -1):  # a diverged copy read first or last: the finished copy of the run counts
+        copies = [result(1e-3, 1, 0.3, "diverged"), result(1e-3, 1, 0.1)][::order] + [result(2e-3, 1, 0.2)]
+        assert [c["lr"] for c in choose_lrs(copies, [1e-3, 2e-3], [1]).values()] == [1e-3]
 
 
 def test_final_stage_without_its_tuning_runs_says_what_is_missing(config, make_config, tmp_path):

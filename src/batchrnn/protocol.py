@@ -110,7 +110,8 @@ def choose_lrs(results: list[dict], lrs: list[float], tune_seeds: list[int]) -> 
         config, value = r["config"], val_wer_for_choice(r)
         runs = found[variant_key(config)]
         key = config["train"]["lr"], config["seed"]
-        if runs.get(key) is None:  # a second folder of the same run (hand-made): a finished one wins
+        old = runs.get(key)  # a second folder of the same run (hand-made): finished beats diverged beats running
+        if old is None or (old == math.inf and value is not None):
             runs[key] = value
     choice = {}
     for variant, runs in found.items():

@@ -14,9 +14,10 @@ Each row is one setting: every setting that can change a result except the seed 
 implementation, and whatever else differs between the rows, named in the row's label and columns:
 depth, learning rate, sizes). Values are the mean ± sample std over its n finished seeds (no ± for a
 single seed); a row never holds a seed twice. Test WER is that of the epoch with the best validation
-WER; the best test WER of each group (an rnn with its depth and other settings) is in bold. †k after n:
-k of the n runs reached the epoch cap while validation WER was still improving, so they may not have
-converged; comparisons involving them say so. Time and memory ratios divide by the `none` row of the
+WER; the best test WER of each group (an rnn with its depth and other settings) is in bold. "+k
+diverged" after n: k more seeds of that setting diverged, so they have no test WER and are in no mean.
+†k after n: k of the n runs reached the epoch cap while validation WER was still improving, so they may
+not have converged; comparisons involving them say so (a † beside a ΔWER). Time and memory ratios divide by the `none` row of the
 same group: measured in this sweep on one machine, they rank the variants' costs but do not transfer to
 other hardware (peak memory is CUDA max allocated on a GPU, process peak RSS on the CPU).
 
@@ -93,7 +94,11 @@ def protocol(summary: Summary) -> list[str]:
             cell = "…" if wer is None else "diverged" if math.isinf(wer) else f"{100 * wer:.1f}"
             cells.append(f"**{cell} ✓**" if lr == t["lr"] else cell)
         lines.append(f"| {t['label']} | " + " | ".join(cells) + " |")
-    pending = [t for t in summary.tuning if t["lr"] is None]
+    failed = [t for t in summary.tuning if t["lr"] is None and not t["missing"]]
+    if failed:
+        lines += ["", "Every rate of the grid diverged, so no seeds were trained: " + ", ".join(t["label"] for t in failed)
+                  + ". Add lower rates to `protocol.lrs` and run the study again."]
+    pending = [t for t in summary.tuning if t["lr"] is None and t["missing"]]
     if pending:
         lines += ["", "Still tuning, so in no verdict yet (their runs are in the per-epoch plots): " + "; ".join(
             f"{t['label']} (missing or unfinished lr, seed: {', '.join(f'{lr:g}, {s}' for lr, s in t['missing'])})"
@@ -132,7 +137,14 @@ def interval(c: dict) -> str:
 def vs_none(row: dict) -> str:
     if row["bn"] == NONE and row["impl"] == Impl.fused.value:
         return "(baseline)"
-    return "–" if math.isnan(row["dwer"]) else interval(row)
+    return "–" if math.isnan(row["dwer"]) else interval(row) + (" †" if row["dwer_capped"] else "")
+
+
+def seeds_cell(row: dict, of: str = "n") -> str:
+    """n (or "reached of trained"), "+k diverged" and †k (capped runs)."""
+    s = f"{row['n']}" if of == "n" else f"{row['reached']} of {row['trained']}"
+    s += f" (+{row['diverged']} diverged)" if row["diverged"] and of == "n" else ""
+    return s + (f" †{row['capped']}" if row["capped"] else "")
 
 
 def results_table(summary: Summary) -> list[str]:
@@ -147,12 +159,14 @@ def results_table(summary: Summary) -> list[str]:
     for row in summary.rows:
         wer = fmt(row, "test_wer", 100)
         cells = identity(summary, row) + [
-            f"{row['n']}" + (f" †{row['capped']}" if row["capped"] else ""),
+            seeds_cell(row),
             f"**{wer}**" if row["test_wer"] == best.get(row["group"]) else wer, fmt(row, "test_cer", 100),
             fmt(row, "best_val_wer", 100), fmt(row, "epoch_time_s"), fmt(row, "peak_mem_mb", digits=0),
             fmt(row, "time_ratio", digits=2), fmt(row, "mem_ratio", digits=2), fmt(row, "params", digits=0),
             vs_none(row)]
         lines.append("| " + " | ".join(cells) + " |")
+    if summary.failed:
+        lines += ["", "Every seed diverged, so in no table: " + ", ".join(summary.failed) + "."]
     return lines
 
 
@@ -162,6 +176,16 @@ def capped_note(c: dict) -> str:
                                                                                     (c["b_name"], c["b"]))
              if c["capped"][label]]
     return f"† still improving at the cap ({'; '.join(parts)})" if parts else ""
+
+
+def single_seed(c: dict) -> bool:
+    return min(c["n"].values()) < 2
+
+
+def note(c: dict) -> str:
+    """The head-to-head table's note: capped runs, and a side with one seed (no seed level in its interval)."""
+    parts = [capped_note(c)] + ["one seed on a side: its interval holds the test set's variation only"] * single_seed(c)
+    return "; ".join(p for p in parts if p)
 
 
 def name_of(c: dict, label: str | None) -> str:
@@ -177,7 +201,9 @@ def head_to_head(summary: Summary) -> list[str]:
         return [significance(summary)]
     lines = ["Within each group, every placement against `none`, and exact DS2 (`seqwise`) against every other "
              "placement. ΔWER is the first minus the second (negative: the first is better); faster: the one that "
-             "reaches the group's validation threshold (next section) sooner, by the means, not a test.", "",
+             "reaches the group's validation threshold (next section) at least half an epoch sooner, by the means, "
+             "not a test (\"unclear\": the sooner mean is a lower bound, a seed of it never reached the threshold).",
+             "",
              "| group | comparison | ΔWER [95% CI] | p | Holm p | significant | faster | note |",
              "|---|---|---:|---:|---:|---|---|---|"]
     for c in summary.comparisons:
@@ -186,8 +212,10 @@ def head_to_head(summary: Summary) -> list[str]:
             c["group"], f"{c['a_name']} vs {c['b_name']}", interval(c) if tested else "–",
             f"{c['p']:.4f}" if tested else "–", f"{c['p_holm']:.4f}" if tested else "–",
             ("yes" if c["significant"] else "no") if tested else "no per-utterance outputs",
-            name_of(c, c["speed_winner"]) if c["speed_winner"] else "tie", capped_note(c)]) + " |")
-    return lines + ["", significance(summary), "", splits(summary)]
+            name_of(c, c["speed_winner"]) if c["speed_winner"] else "unclear" if c["speed_censored"] else "tie",
+            note(c)]) + " |")
+    missing = ["", "Not compared: " + "; ".join(summary.unpaired) + "."] if summary.unpaired else []
+    return lines + missing + ["", significance(summary), "", splits(summary)]
 
 
 def significance(summary: Summary) -> str:
@@ -200,9 +228,12 @@ def significance(summary: Summary) -> str:
         return f"No difference is significant at {family}."
     parts = [f"{pair(c)} ({100 * c['dwer']:+.1f} points, {name_of(c, c['quality_winner'])} better)"
              + (" †" if capped_note(c) else "") for c in sig]
+    lone = sum(single_seed(c) for c in sig)
     return (f"Significant at {family} (marked *): {', '.join(parts)}; not significant: {len(tested) - len(sig)} "
             f"of {len(tested)}." + (" † a run of that comparison reached the epoch cap still improving." if any(
-                capped_note(c) for c in sig) else ""))
+                capped_note(c) for c in sig) else "")
+            + (f" {lone} of the significant rest on one seed on a side, so their intervals leave out seed-to-seed "
+               "variation: more seeds may undo them." if lone else ""))
 
 
 def splits(summary: Summary) -> str:
@@ -213,23 +244,29 @@ def splits(summary: Summary) -> str:
                 "reaching the validation threshold sooner).")
     return "Wins one verdict, loses the other: " + "; ".join(
         f"{pair(c)}: {name_of(c, c['quality_winner'])} better at convergence, {name_of(c, c['speed_winner'])} "
-        "faster to the threshold" for c in split) + "."
+        "faster to the threshold" + (" †" if capped_note(c) else "") for c in split) + "."
 
 
 def speed(summary: Summary) -> list[str]:
     head = identity_head(summary)
     lines = ["Each group's threshold is the highest of its variants' mean best validation WER, so every variant "
-             "reaches it on average; a seed that never does is counted out of \"reached\". Epochs and training "
-             "seconds (epoch times summed; validation is not timed) until validation WER first reached it, mean ± "
-             "std over the seeds that reached it.", "",
+             "reaches it on average. Epochs and training seconds (epoch times summed; validation is not timed) until "
+             "validation WER first reached it, mean ± std over the seeds, diverged ones included. A seed that never "
+             "reached it counts with the epochs and seconds it trained, so its row's mean is a lower bound (≥).", "",
              "| " + " | ".join(head + ["threshold val WER %", "reached", "epochs to threshold",
                                        "training s to threshold", "epochs trained"]) + " |",
              "|" + "---|" * len(head) + "---:|" * 5]
     for row in summary.rows:
         lines.append("| " + " | ".join(identity(summary, row) + [
-            fmt(row, "threshold", 100), f"{row['reached']} of {row['n']}", fmt(row, "epochs_to"),
-            fmt(row, "seconds_to"), fmt(row, "epochs_trained")]) + " |")
+            fmt(row, "threshold", 100), seeds_cell(row, "reached"), bound(row, "epochs_to"),
+            bound(row, "seconds_to"), fmt(row, "epochs_trained")]) + " |")
     return lines
+
+
+def bound(row: dict, name: str) -> str:
+    """fmt, with ≥ before a mean that counts seeds which never reached the threshold."""
+    s = fmt(row, name)
+    return f"≥ {s}" if row["censored"] and s != "–" else s
 
 
 def depth_effect(summary: Summary) -> list[str]:
@@ -251,7 +288,7 @@ def as_json(summary: Summary, plots: list[str]) -> dict:
         "sweep_dir": summary.sweep_dir, "study": summary.study, "preset": summary.preset, "devices": summary.devices, "machines": summary.machines,
         "torch": summary.torch, "columns": summary.columns, **summary.counts, "skipped": summary.unreadable, "stopped_runs": summary.stopped,
         "duplicates": summary.duplicates, "protocol": summary.protocol, "tuning": summary.tuning,
-        "off_grid": summary.off_grid, "significance": significance(summary) if summary.rows else None,
+        "off_grid": summary.off_grid, "failed": summary.failed, "unpaired": summary.unpaired, "significance": significance(summary) if summary.rows else None,
         "splits": splits(summary) if summary.rows else None, "plots": plots,
         "rows": [public(r) for r in summary.rows], "comparisons": [public(c) for c in summary.comparisons]})
 

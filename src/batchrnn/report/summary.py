@@ -52,8 +52,10 @@ class Summary:
     columns: list[str]  # the settings that vary across rows beyond rnn, bn and impl: table columns, labels
     depth: bool  # the study varies model.num_layers
     rows: list[dict]  # the verdict: a row per setting with finished runs (at its chosen rate under a protocol)
+    failed: list[str]  # labels of settings of the verdict whose every run diverged: in no table
     curves: list[dict]  # rows whose per-epoch curves are plotted: the verdict's and those of variants still tuning
     comparisons: list[dict]  # head to head, Holm-adjusted over all of them
+    unpaired: list[str]  # per group, the reference (`none`, `seqwise`) it lacks, so comparisons it cannot make
     logger: dict  # the runs' W&B project, entity and tags
 
 
@@ -92,7 +94,7 @@ def build(sweep_dir: Path, now: float | None = None) -> Summary:
     for members in groups.values():
         add_ratios(members)
         add_speed(members)
-    comparisons = compare(groups)
+    comparisons, unpaired = compare(groups)
 
     counts = Counter(run["status"] for group in runs.values() for run in group)
     return Summary(
@@ -103,7 +105,8 @@ def build(sweep_dir: Path, now: float | None = None) -> Summary:
         stopped=[run["path"] for group in runs.values() for run in group if run["status"] == "stopped"],
         tuning=tuning_table(rows, choice, protocol), off_grid=[r["label"] for r in rows if r["role"] == "off_grid"],
         columns=columns, depth=DEPTH in columns, rows=verdict,
-        curves=[r for r in rows if r["role"] in ("verdict", "pending")], comparisons=comparisons,
+        failed=[r["label"] for r in rows if r["role"] == "verdict" and not r["n"] and r["diverged"]],
+        curves=[r for r in rows if r["role"] in ("verdict", "pending")], comparisons=comparisons, unpaired=unpaired,
         logger=next((r["config"]["logger"] for r in kept if isinstance(r["config"].get("logger"), dict)), {}))
 
 
@@ -231,8 +234,11 @@ def make_row(runs: list[dict], columns: list[str], protocol: dict | None, choice
     per_variant = [k for k in columns if not (protocol and k == LR)]
     where, row_role = placement(s), role(runs[0]["result"]["config"], protocol, choice)
     # A verdict holds the protocol's seeds only: not a stray single run (seed 0) that happens to share the rate
-    finished = [r for r in runs if r["status"] == "finished"
-                and not (protocol and row_role == "verdict" and r["seed"] not in protocol["seeds"])]
+    ours = [r for r in runs if not (protocol and row_role == "verdict" and r["seed"] not in protocol["seeds"])]
+    finished = [r for r in ours if r["status"] == "finished"]
+    # Seeds that diverged have no test WER, but they count: against the row's n in the tables, and as never
+    # reaching the speed threshold after the epochs they trained, unless they reached it before.
+    trained = [r for r in ours if r["status"] in ("finished", "diverged")]
     row = {"label": describe(s, columns, columns), "variant": describe(s, per_variant, columns),
            "group": describe(s, per_variant, columns, bn=False),
            "depth_free": describe(s, [k for k in per_variant if k != DEPTH], columns),
@@ -242,13 +248,14 @@ def make_row(runs: list[dict], columns: list[str], protocol: dict | None, choice
            "name": where + (f" lr={value(s.get(LR))}" if row_role == "pending" else ""),
            "rnn": s[RNN], "bn": s[BN], "impl": impl, "num_layers": s.get(DEPTH), "lr": s.get(LR),
            "settings": {k: s.get(k) for k in columns}, "role": row_role,
-           "n": len(finished), "seeds": [r["seed"] for r in finished],
+           "n": len(finished), "seeds": [r["seed"] for r in finished], "diverged": len(trained) - len(finished),
            "test_wer_by_seed": [r["result"].get("test_wer") for r in finished],
            # reached the epoch cap while validation WER was still improving: maybe not converged
            "capped": sum(r["improving_at_cap"] for r in finished),
            # against the group's `none` (compare fills them in): the results table's last column
            "dwer": math.nan, "dwer_lo": math.nan, "dwer_hi": math.nan, "p": None, "p_holm": None, "significant": False,
-           "_runs": runs, "_finished": finished,
+           "dwer_capped": False,
+           "_runs": runs, "_finished": finished, "_trained": trained,
            "_sort": (rank(RNN_ORDER, s[RNN]), [ordered(s.get(k)) for k in per_variant], rank(BN_ORDER, s[BN]),
                      rank(IMPL_ORDER, impl), ordered(s.get(LR)))}
     for name in METRICS:
@@ -293,30 +300,39 @@ def baseline(group: list[dict], bn: str) -> dict | None:
 
 def add_speed(group: list[dict]) -> None:
     """Speed of convergence: epochs and training seconds until validation WER first reaches the group's
-    threshold, the highest of its rows' mean best validation WER (so every row's mean reaches it; a seed
-    that never does is counted in "reached")."""
+    threshold, the highest of its rows' mean best validation WER. A seed that never reaches it (or
+    diverged first) is censored: it counts with the epochs and seconds it trained, a lower bound, so the
+    row's mean is one too (`censored` > 0) and can lose a comparison but never win it (`faster`)."""
     bests = [r["best_val_wer"] for r in group if not math.isnan(r["best_val_wer"])]
     threshold = max(bests) if bests else math.nan
     for row in group:
-        reach = [first_reach(r["epochs"], threshold) for r in row["_finished"]] if bests else []
-        reach = [x for x in reach if x is not None]
-        row["threshold"], row["reached"] = threshold, len(reach)
-        row["epochs_to"], row["epochs_to_std"] = mean_std([e for e, _ in reach])
-        row["seconds_to"], row["seconds_to_std"] = mean_std([s for _, s in reach])
+        times = []
+        for run in row["_trained"] if bests else []:
+            reached = first_reach(run["epochs"], threshold)
+            times.append(reached or (len(run["epochs"]), sum(e.get("epoch_time_s") or 0.0 for e in run["epochs"])))
+            run["reached"] = reached is not None
+        row["threshold"], row["trained"] = threshold, len(times)
+        row["reached"] = sum(run["reached"] for run in row["_trained"]) if bests else 0
+        row["censored"] = len(times) - row["reached"]
+        row["epochs_to"], row["epochs_to_std"] = mean_std([e for e, _ in times])
+        row["seconds_to"], row["seconds_to_std"] = mean_std([s for _, s in times])
 
 
 # ----------------------------------------------------------------------------------------------------
 # head to head
 
 
-def compare(groups: dict) -> list[dict]:
+def compare(groups: dict) -> tuple[list[dict], list[str]]:
     """Within each group, every variant against `none` and `seqwise` against every other, by the paired
-    two-level bootstrap; Holm's correction over the whole family. Each row gets its comparison with `none`."""
-    out, vs_none = [], []
-    for members in groups.values():
+    two-level bootstrap; Holm's correction over the whole family. Each row gets its comparison with `none`.
+    Also, per group with more than one row, the references it has no finished row of."""
+    out, vs_none, unpaired = [], [], []
+    for group, members in groups.items():
         seen = set()
         for reference in REFERENCES:
             b = baseline(members, reference)
+            if b is None and len(members) > 1:
+                unpaired.append(f"{group}: no finished `{reference}` row, so no comparison with it")
             for a in members if b else []:
                 if a is not b and (pair := frozenset((a["label"], b["label"]))) not in seen:
                     seen.add(pair)
@@ -330,7 +346,8 @@ def compare(groups: dict) -> list[dict]:
         c["split"] = bool(c["quality_winner"] and c["speed_winner"] and c["quality_winner"] != c["speed_winner"])
     for row, c in vs_none:
         row.update({k: c[k] for k in ("dwer", "dwer_lo", "dwer_hi", "p", "p_holm", "significant")})
-    return out
+        row["dwer_capped"] = any(c["capped"].values())
+    return out, unpaired
 
 
 def comparison(a: dict, b: dict) -> dict:
@@ -338,7 +355,7 @@ def comparison(a: dict, b: dict) -> dict:
     return {"group": a["group"], "a": a["label"], "b": b["label"], "a_name": a["name"], "b_name": b["name"],
             "dwer": d.dwer if d else math.nan, "dwer_lo": d.lo if d else math.nan, "dwer_hi": d.hi if d else math.nan,
             "p": d.p if d else None, "p_holm": None, "significant": False, "quality_winner": None,
-            "speed_winner": faster(a, b), "split": False,
+            "speed_winner": faster(a, b), "speed_censored": bool(a["censored"] or b["censored"]), "split": False,
             "capped": {a["label"]: a["capped"], b["label"]: b["capped"]}, "n": {a["label"]: a["n"], b["label"]: b["n"]}}
 
 
@@ -351,11 +368,10 @@ def errors_of(row: dict) -> list[dict]:
 
 
 def faster(a: dict, b: dict) -> str | None:
-    """The label of the row that reaches the threshold sooner: more of its seeds reach it, else half an
-    epoch fewer on average; None for a tie (descriptive, not a test)."""
-    ra, rb = a["reached"] / a["n"], b["reached"] / b["n"]
-    if ra != rb:
-        return a["label"] if ra > rb else b["label"]
-    if not ra or abs(a["epochs_to"] - b["epochs_to"]) < 0.5:
+    """The label of the row that reaches the threshold at least half an epoch sooner on average (descriptive,
+    not a test); None for a tie, and when the sooner mean is a lower bound (a seed of it never reached the
+    threshold), which the other could still beat."""
+    if math.isnan(a["epochs_to"]) or math.isnan(b["epochs_to"]) or abs(a["epochs_to"] - b["epochs_to"]) < 0.5:
         return None
-    return a["label"] if a["epochs_to"] < b["epochs_to"] else b["label"]
+    sooner = a if a["epochs_to"] < b["epochs_to"] else b
+    return None if sooner["censored"] else sooner["label"]

@@ -1,13 +1,15 @@
-"""The fair protocol: a run's identity, the learning-rate rule, and the two-stage study driver."""
+"""The fair protocol: a run's identity, the learning-rate rule, and the study driver and its stages (tune, widen, final)."""
 import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from batchrnn.config import ConfigError, to_container, validate
 from batchrnn.protocol import ProtocolError, choose_lrs, mismatch, run_name, setting_key, tuned_lr, variant_key
+from batchrnn.study import stages
 from batchrnn.rundir import RESULTS, read_study
 from conftest import ROOT
 
@@ -66,6 +68,75 @@ def test_each_variant_gets_the_rate_with_the_lowest_mean_validation_wer():
     for order in (1, -1):  # a diverged copy read first or last: the finished copy of the run counts
         copies = [result(1e-3, 1, 0.3, "diverged"), result(1e-3, 1, 0.1)][::order] + [result(2e-3, 1, 0.2)]
         assert [c["lr"] for c in choose_lrs(copies, [1e-3, 2e-3], [1]).values()] == [1e-3]
+
+
+def test_a_variant_whose_best_rate_is_an_edge_of_the_grid_is_tuned_one_rate_past_it():
+    lrs = [1e-3, 2e-3, 4e-3]
+    top = [result(1e-3, 1, 0.3), result(2e-3, 1, 0.2), result(4e-3, 1, 0.1)]
+
+    def only(runs, widen, grid=lrs):
+        (choice,) = choose_lrs(runs, grid, [1], widen).values()
+        return choice
+
+    assert only(top, 0)["lr"] == 4e-3  # never widened: the edge is taken
+    c = only(top, 1)
+    assert (c["grid"], c["missing"], c["lr"]) == ([1e-3, 2e-3, 4e-3, 8e-3], [(8e-3, 1)], None)
+    thirds = [result(1e-3, 1, 0.3), result(3e-3, 1, 0.2), result(9e-3, 1, 0.1)]
+    assert 9e-3 * 9e-3 / 3e-3 != 2.7e-2 and only(thirds, 1, [1e-3, 3e-3, 9e-3])["missing"] == [(2.7e-2, 1)]  # as typed
+    assert only(top + [result(8e-3, 1, 0.15)], 1)["lr"] == 4e-3
+    c = only(top + [result(8e-3, 1, 0.05)], 1)
+    assert c["lr"] == 8e-3 and c["grid"][-1] == 8e-3  # widened once, as many times as allowed
+    assert only(top + [result(8e-3, 1, 0.05)], 2)["missing"] == [(1.6e-2, 1)]
+    assert only([result(1e-3, 1, 0.1), result(2e-3, 1, 0.2), result(4e-3, 1, 0.3)], 1)["missing"] == [(5e-4, 1)]
+    inside = only([result(1e-3, 1, 0.3), result(2e-3, 1, 0.1), result(4e-3, 1, 0.3)], 1)
+    assert inside["lr"] == 2e-3 and inside["grid"] == lrs
+    assert only([result(1e-3, 1, 0.3), result(2e-3, 1, 0.1)], 1, [1e-3, 2e-3])["lr"] == 2e-3  # two rates: no inside
+    assert only([result(lr, 1, 0.3, "diverged") for lr in lrs], 1)["missing"] == []  # nothing to widen from
+    assert only(top[:2], 1)["missing"] == [(4e-3, 1)]  # tuning not complete: no widening yet
+
+
+def test_the_study_widens_between_tuning_and_its_seeds():
+    names = lambda *o: [name for name, _ in stages(["experiment=smoke", *o])]  # noqa: E731
+    assert names("protocol.lrs=[1e-3,2e-3,4e-3]") == ["tune", "widen", "final"]
+    assert names("protocol.lrs=[1e-3,2e-3,4e-3]", "protocol.widen=2") == ["tune", "widen 1", "widen 2", "final"]
+    assert names("protocol.lrs=[1e-3,2e-3,4e-3]", "protocol.widen=0") == ["tune", "final"]
+    assert names("protocol.lrs=[1e-3,3e-3]") == ["tune", "final"]
+    (_, widen), _ = stages(["experiment=smoke", "protocol.lrs=[1e-3,2e-3,4e-3]"])[1:]
+    assert "protocol.stage=widen" in widen and "seed=1" in widen and not any(o.startswith("train.lr") for o in widen)
+
+
+def test_widen_stage_trains_only_the_variant_whose_best_rate_is_an_edge(tmp_path, smoke_root):
+    """Tuning results as copies of one real run: none's best inside its grid (2e-3), post's at the top (4e-3).
+    Stage widen trains post at 8e-3 and nothing for none; stage final then takes post's better of 4e-3, 8e-3."""
+    base = [sys.executable, "src/run.py", "-m", "experiment=smoke", f"data.root={smoke_root}",
+            f"hydra.sweep.dir={tmp_path}", "protocol.lrs=[1e-3,2e-3,4e-3]"]
+    tune = subprocess.run([*base, "model.bn=none", "protocol.stage=tune", "train.lr=1e-3", "seed=1"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert tune.returncode == 0, tune.stderr[-3000:]
+    (path,) = tmp_path.rglob(RESULTS)
+    real = json.loads(path.read_text())
+    path.write_text(json.dumps(real | {"best_val_wer": 0.3}))
+    for bn, lr, wer in [("none", 2e-3, 0.2), ("none", 4e-3, 0.3), ("post", 1e-3, 0.3), ("post", 2e-3, 0.2),
+                        ("post", 4e-3, 0.1)]:
+        copy = json.loads(json.dumps(real)) | {"best_val_wer": wer, "bn": bn}
+        copy["config"]["model"]["bn"], copy["config"]["train"]["lr"] = bn, lr
+        (tmp_path / f"copy-{bn}-{lr:g}").mkdir()
+        (tmp_path / f"copy-{bn}-{lr:g}" / RESULTS).write_text(json.dumps(copy))
+    widen = subprocess.run([*base, "model.bn=none,post", "protocol.stage=widen", "seed=1"],
+                           capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert widen.returncode == 0, widen.stderr[-3000:]
+    assert "gru-none (L2), seed 1: nothing to widen" in widen.stdout + widen.stderr
+    results, _ = read_study(tmp_path)
+    (new,) = [r for r in results if r["config"]["train"]["lr"] == 8e-3]
+    assert (new["bn"], new["seed"], new["status"]) == ("post", 1, "finished") and len(results) == 7
+    # The widened rate does better than post's 4e-3 (0.1): stage final takes it
+    (Path(new["path"]) / RESULTS).write_text(json.dumps(json.loads((Path(new["path"]) / RESULTS).read_text())
+                                                        | {"best_val_wer": 0.05}))
+    final = subprocess.run([*base, "model.bn=post", "protocol.stage=final", "seed=2"],
+                           capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert final.returncode == 0, final.stderr[-3000:]
+    (seed2,) = [r for r in read_study(tmp_path)[0] if r["seed"] == 2]
+    assert seed2["config"]["train"]["lr"] == 8e-3 and seed2["status"] == "finished"
 
 
 def test_final_stage_without_its_tuning_runs_says_what_is_missing(config, make_config, tmp_path):

@@ -318,6 +318,44 @@ def test_a_variant_still_tuning_is_in_no_verdict(tmp_path):
     assert [(r["bn"], r["lr"]) for r in data["rows"]] == [("none", 1e-3), ("input", 3e-3), ("seqwise", 3e-3)]
 
 
+def widened_study(root, widen: int | None) -> None:
+    """Tuned over 1e-3, 2e-3, 4e-3: none's best inside (2e-3), seqwise's at the top, so its grid widened to 8e-3,
+    which did better still; and a run of none at 8e-3, outside its grid. widen None: runs made before the
+    setting existed (no key)."""
+    p = {"lrs": [1e-3, 2e-3, 4e-3], "tune_seeds": [1], "seeds": [1], "stage": "tune"}
+    best = {("none", 1e-3): 0.3, ("none", 2e-3): 0.2, ("none", 4e-3): 0.3, ("none", 8e-3): 0.1,
+            ("seqwise", 1e-3): 0.3, ("seqwise", 2e-3): 0.2, ("seqwise", 4e-3): 0.1, ("seqwise", 8e-3): 0.05}
+    for (bn, lr), val in best.items():
+        c = config(bn, 1, lr, p)
+        if widen is None:
+            del c["protocol"]["widen"]
+        else:
+            c["protocol"]["widen"] = widen
+        write(root, f"{bn}-{lr}", result(c, set(), [0.9, val]))
+
+
+def test_a_widened_grid_in_the_tuning_table(tmp_path):
+    widened_study(tmp_path, 1)
+    text = write_report(tmp_path).read_text()
+    tuning = section(text, "Protocol: each variant's learning rate, chosen on validation")
+    assert "| variant | lr 0.001 | lr 0.002 | lr 0.004 | lr 0.008 |" in tuning
+    assert "the variant's grid widens by one rate past that edge, in the grid's own ratio, up to 1 time" in tuning
+    assert table_rows(tuning) == [["gru-none", "30.0", "**20.0 ✓**", "30.0", ""],  # blank: not in none's grid
+                                  ["gru-seqwise", "30.0", "20.0", "10.0", "**5.0 ✓**"]]
+    assert "a rate beyond it might do better still: gru-seqwise. Raise `protocol.widen`" in tuning
+    assert "At a rate outside the grid, in no table: gru-none lr=0.008." in tuning
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert [(r["bn"], r["lr"]) for r in data["rows"]] == [("none", 2e-3), ("seqwise", 8e-3)]
+
+
+def test_runs_from_before_widening_existed_are_read_unwidened(tmp_path):
+    widened_study(tmp_path, None)
+    data = json.loads((write_report(tmp_path).parent / "report.json").read_text())
+    assert data["protocol"]["widen"] == 0
+    assert [(r["bn"], r["lr"]) for r in data["rows"]] == [("none", 2e-3), ("seqwise", 4e-3)]
+    assert data["off_grid"] == ["gru-none lr=0.008", "gru-seqwise lr=0.008"]
+
+
 def test_a_run_still_improving_at_the_cap_is_marked(tmp_path):
     protocol_study(tmp_path, capped="input")
     text = write_report(tmp_path).read_text()

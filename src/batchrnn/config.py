@@ -37,6 +37,7 @@ class CorpusName(str, Enum):
 class Stage(str, Enum):
     single = "single"  # one run at train.lr as given
     tune = "tune"  # the learning-rate search: train.lr as given, swept over protocol.lrs by the study driver
+    widen = "widen"  # train.lr: the rate past the grid's edge where this variant's best lies (protocol.widen)
     final = "final"  # train.lr replaced by the rate the tuning stage chose for this variant (batchrnn.protocol)
 
 
@@ -177,13 +178,18 @@ class ProtocolConfig:
     """The fair-comparison protocol of a study (batchrnn.study runs it, batchrnn.protocol applies it).
 
     Stage tune trains every variant at each rate of `lrs` with the `tune_seeds`; each variant keeps the
-    rate with the lowest mean best validation WER (never test). Stage final trains `seeds` at that rate.
+    rate with the lowest mean best validation WER (never test). Where that rate is the grid's lowest or
+    highest, stage widen tunes the variant at one more rate past that edge (up to `widen` times), so that no
+    variant is judged at a rate its own optimum lies beyond. Stage final trains `seeds` at the chosen rate.
     None of these settings changes what one run computes, so they stay out of a run's identity.
     """
     lrs: list[float] = field(default_factory=list)  # empty: no tuning, every run at train.lr
     tune_seeds: list[int] = field(default_factory=lambda: [1])
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
     stage: Stage = Stage.single
+    # How many rates a variant's grid may grow past the edge where its best rate lies, one at a time, in the
+    # grid's own ratio (1e-3, 2e-3, 4e-3 best at 4e-3: 8e-3). 0: never. Only grids of three rates or more.
+    widen: int = 1
     # A study folder whose finished runs this study takes instead of training them again, where a run's
     # settings are the same (its folder name is): the depth study's 3-layer runs are the grid's. "": none.
     reuse_from: str = ""
@@ -257,9 +263,11 @@ def validate(cfg: Config | DictConfig) -> None:
         raise ConfigError(f"protocol.lrs={list(p.lrs)}: every learning rate must be positive")
     if not p.seeds or not p.tune_seeds:
         raise ConfigError("protocol.seeds and protocol.tune_seeds: need at least one seed each")
-    if Stage(p.stage) is Stage.final and not p.lrs:
-        raise ConfigError("protocol.stage=final: protocol.lrs is empty, so there is no tuning stage to take a "
-                          "rate from; set protocol.lrs, or drop protocol.stage=final and give train.lr")
+    if Stage(p.stage) in (Stage.final, Stage.widen) and not p.lrs:
+        raise ConfigError(f"protocol.stage={Stage(p.stage).value}: protocol.lrs is empty, so there is no tuning stage "
+                          f"to take a rate from; set protocol.lrs, or drop protocol.stage and give train.lr")
+    if p.widen < 0:
+        raise ConfigError(f"protocol.widen={p.widen}: must be 0 (never) or more")
     if not m.conv:
         raise ConfigError("model.conv: needs at least one conv layer")
     for i, layer in enumerate(m.conv):

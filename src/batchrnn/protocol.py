@@ -100,11 +100,37 @@ def val_wer_for_choice(result: dict) -> float:
     return result.get("best_val_wer") if result.get("status") == "finished" else None
 
 
-def choose_lrs(results: list[dict], lrs: list[float], tune_seeds: list[int]) -> dict[str, dict]:
-    """{variant key: {"lr": chosen rate or None, "by_lr": {rate: mean best val WER or None}, "missing":
-    [(rate, seed), ...]}} for every variant among `results` (results.json dicts). The rule: the rate of
-    `lrs` with the lowest best validation WER averaged over `tune_seeds`; ties go to the smaller rate.
-    Nothing is chosen while a tuning run is missing or unfinished, nor when every rate diverged."""
+def rate(x: float) -> float:
+    """A learning rate as the grid and the run folders write it (6 significant digits): 4e-3 * 2 is 0.008."""
+    return float(f"{x:.6g}")
+
+
+def variant_grid(lrs: list[float], by_lr: dict[float, float | None], widen: int) -> list[float]:
+    """The rates one variant is tuned at: `lrs`, widened by one rate past an edge (in the grid's own ratio)
+    while its best rate (by_lr: mean best validation WER or None) is the lowest or highest one, at most
+    `widen` times. Only a grid of three rates or more widens: with two, both are edges."""
+    grid = sorted(lrs)
+    for _ in range(widen if len(grid) >= 3 else 0):
+        if any(by_lr.get(lr) is None for lr in grid):
+            break  # not all tuned yet: nothing to widen from
+        best = min(grid, key=lambda lr: (by_lr[lr], lr))
+        if by_lr[best] == math.inf:
+            break  # every rate diverged
+        if best == grid[-1]:
+            grid.append(rate(grid[-1] * grid[-1] / grid[-2]))
+        elif best == grid[0]:
+            grid.insert(0, rate(grid[0] * grid[0] / grid[1]))
+        else:
+            break
+    return grid
+
+
+def choose_lrs(results: list[dict], lrs: list[float], tune_seeds: list[int], widen: int = 0) -> dict[str, dict]:
+    """{variant key: {"lr": chosen rate or None, "grid": its rates, "by_lr": {rate: mean best val WER or
+    None}, "missing": [(rate, seed), ...]}} for every variant among `results` (results.json dicts). The
+    rule: the rate of the variant's grid (`lrs`, widened past the edge where its best lies: variant_grid)
+    with the lowest best validation WER averaged over `tune_seeds`; ties go to the smaller rate. Nothing
+    is chosen while a tuning run is missing or unfinished, nor when every rate diverged."""
     found = defaultdict(dict)  # variant -> {(lr, seed): val WER}
     for r in results:
         config, value = r["config"], val_wer_for_choice(r)
@@ -115,15 +141,17 @@ def choose_lrs(results: list[dict], lrs: list[float], tune_seeds: list[int]) -> 
             runs[key] = value
     choice = {}
     for variant, runs in found.items():
-        by_lr, missing = {}, []
-        for lr in lrs:
+        means = {}
+        for lr in set(lrs) | {lr for lr, _ in runs}:
             values = [runs.get((lr, seed)) for seed in tune_seeds]
-            missing += [(lr, seed) for seed, v in zip(tune_seeds, values) if v is None]
-            by_lr[lr] = None if None in values else sum(values) / len(values)
-        chosen = None if missing else min(lrs, key=lambda lr: (by_lr[lr], lr))
+            means[lr] = None if None in values else sum(values) / len(values)
+        grid = variant_grid(lrs, means, widen)
+        missing = [(lr, seed) for lr in grid for seed in tune_seeds if runs.get((lr, seed)) is None]
+        by_lr = {lr: means.get(lr) for lr in grid}
+        chosen = None if missing else min(grid, key=lambda lr: (by_lr[lr], lr))
         if chosen is not None and by_lr[chosen] == math.inf:
             chosen = None  # every rate diverged: there is no rate to train the seeds at
-        choice[variant] = {"lr": chosen, "by_lr": by_lr, "missing": missing}
+        choice[variant] = {"lr": chosen, "grid": grid, "by_lr": by_lr, "missing": missing}
     return choice
 
 
@@ -131,14 +159,34 @@ class ProtocolError(RuntimeError):
     """A protocol stage that cannot run yet; the message says which runs are missing and how to make them."""
 
 
-def tuned_lr(study_dir, config: dict) -> float:
-    """The learning rate the tuning stage chose for this run's variant, from the runs in study_dir."""
+def tuning_choice(study_dir, config: dict) -> dict | None:
+    """choose_lrs's entry for this run's variant, from the tuning runs in study_dir (None: it has none)."""
     from batchrnn.rundir import read_study
 
-    p = config["protocol"]  # a non-empty grid: config.validate refuses stage final without one
+    p = config["protocol"]  # a non-empty grid: config.validate refuses stages tune, widen, final without one
     results, _ = read_study(study_dir)
-    tuning = [r for r in results if r["config"]["train"]["lr"] in p["lrs"] and r["config"]["seed"] in p["tune_seeds"]]
-    choice = choose_lrs(tuning, p["lrs"], p["tune_seeds"]).get(variant_key(config))
+    tuning = [r for r in results if r["config"]["seed"] in p["tune_seeds"]]
+    return choose_lrs(tuning, p["lrs"], p["tune_seeds"], p.get("widen", 0)).get(variant_key(config))
+
+
+def widened_lr(study_dir, config: dict) -> float | None:
+    """The rate past the grid's edge that this run's variant and seed are to be tuned at next (stage
+    widen), or None when it needs none: its best rate lies inside its grid, every rate diverged, or the
+    grid has widened protocol.widen times."""
+    choice = tuning_choice(study_dir, config)
+    base = set(config["protocol"]["lrs"])
+    if choice is None or any(lr in base for lr, _ in choice["missing"]):
+        m = config["model"]
+        raise ProtocolError(f"{study_dir}: the tuning stage of {m['rnn']}-{m['bn']} (L{m['num_layers']}) is not "
+                            "complete, so its grid cannot widen yet; run the tuning stage first (python -m "
+                            "batchrnn.study runs every stage)")
+    return next((lr for lr, seed in choice["missing"] if seed == config["seed"]), None)
+
+
+def tuned_lr(study_dir, config: dict) -> float:
+    """The learning rate the tuning stage chose for this run's variant, from the runs in study_dir."""
+    p = config["protocol"]
+    choice = tuning_choice(study_dir, config)
     if choice and not choice["missing"] and choice["lr"] is None:
         raise ProtocolError(f"{study_dir}: every rate of protocol.lrs {p['lrs']} diverged for this variant; add lower "
                             "rates to protocol.lrs and run the tuning stage again")
@@ -147,5 +195,6 @@ def tuned_lr(study_dir, config: dict) -> float:
         m = config["model"]
         raise ProtocolError(
             f"{study_dir}: the tuning stage of {m['rnn']}-{m['bn']} (L{m['num_layers']}) is not complete: missing or "
-            f"unfinished (lr, seed) {missing}; run the tuning stage first (python -m batchrnn.study runs both stages)")
+            f"unfinished (lr, seed) {missing}; run the tuning stages first (python -m batchrnn.study runs them all: "
+            "tune, then widen for a rate past the grid's edge)")
     return choice["lr"]

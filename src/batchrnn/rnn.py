@@ -140,6 +140,21 @@ def projected_moments(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, rout
     return w @ mean_x, var
 
 
+def track_moments(running_mean: torch.Tensor, running_var: torch.Tensor, mean: torch.Tensor,
+                  var: torch.Tensor, count, factor, keep: torch.Tensor | None = None) -> None:
+    """BatchNorm's running-average rule, in place: the running moments take a step of `factor` towards
+    the batch's mean and its variance unbiased over `count` rows (var * n / (n - 1)); where `keep` is
+    False they stay as they are."""
+    with torch.no_grad():
+        unbiased = var.detach() * count / (count - 1).clamp_min(1)
+        means = running_mean.lerp(mean.detach().to(running_mean.dtype), factor)
+        variances = running_var.lerp(unbiased.to(running_var.dtype), factor)
+        if keep is not None:
+            means, variances = torch.where(keep, means, running_mean), torch.where(keep, variances, running_var)
+        running_mean.copy_(means)
+        running_var.copy_(variances)
+
+
 class MaskedBatchNorm(nn.Module):
     """Sequence-wise BatchNorm whose statistics count valid frames only (never padding).
 
@@ -170,9 +185,7 @@ class MaskedBatchNorm(nn.Module):
                 # A tensor, not a float, so reading the count never waits for the GPU.
                 factor = (self.momentum if self.momentum is not None
                           else self.num_batches_tracked.reciprocal().to(self.running_mean.dtype))
-                unbiased = var.detach() * count / (count - 1).clamp_min(1)
-                self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), factor)
-                self.running_var.lerp_(unbiased.to(self.running_var.dtype), factor)
+            track_moments(self.running_mean, self.running_var, mean, var, count, factor)
         else:
             mean, var = self.running_mean, self.running_var
         scale = self.weight * torch.rsqrt(var + self.eps)
@@ -563,11 +576,8 @@ class RecurrentBNLayer(FullLayerNormLayer):
         of MOMENTUM towards the batch's (mean, var (S, F), count (S, 1)), as BatchNorm's running ones."""
         n = min(mean.shape[0], self.MAX_STEPS)
         means, variances = getattr(self, f"running_mean_{name}")[d, :n], getattr(self, f"running_var_{name}")[d, :n]
-        with torch.no_grad():
-            count = count[:n].to(means.dtype)
-            valid, unbiased = count >= self.MIN_ROWS, var[:n] * count / (count - 1).clamp_min(1)
-            means.copy_(torch.where(valid, means.lerp(mean[:n].to(means.dtype), self.MOMENTUM), means))
-            variances.copy_(torch.where(valid, variances.lerp(unbiased.to(variances.dtype), self.MOMENTUM), variances))
+        count = count[:n].to(means.dtype)
+        track_moments(means, variances, mean[:n], var[:n], count, self.MOMENTUM, keep=count >= self.MIN_ROWS)
 
     def normalise(self, v: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, gain, bias) -> torch.Tensor:
         scale = gain * torch.rsqrt(var + self.EPS)

@@ -2,9 +2,11 @@
 
     python -m batchrnn.study experiment=an4_cpu model.rnn=gru,lstm model.bn=none,input,seqwise [--wandb]
 
-Stage tune sweeps every variant over protocol.lrs with protocol.tune_seeds; stage final runs protocol.seeds
-at the rate each variant's validation WER chose (batchrnn.protocol.choose_lrs); then the report. Finished
-runs are skipped, so running it again resumes; a tuning run at the chosen rate is that seed's final run.
+Stage tune sweeps every variant over protocol.lrs with protocol.tune_seeds; stage widen (protocol.widen
+times) tunes each variant whose best rate is an edge of its grid at one rate past it; stage final runs
+protocol.seeds at the rate each variant's validation WER chose (batchrnn.protocol.choose_lrs); then the
+report. Finished runs are skipped, so running it again resumes; a tuning run at the chosen rate is that
+seed's final run.
 """
 import argparse
 import subprocess
@@ -52,8 +54,10 @@ def stages(overrides: list[str]) -> list[tuple[str, list[str]]]:
     p, _ = protocol_of(overrides)
     if not p.lrs:
         return [("runs", [*overrides, f"seed={as_list(p.seeds)}"])]
+    widen = [(f"widen {i}" if p.widen > 1 else "widen", [*overrides, "protocol.stage=widen", f"seed={as_list(p.tune_seeds)}"])
+             for i in range(1, p.widen + 1)] if len(p.lrs) >= 3 else []
     return [("tune", [*overrides, "protocol.stage=tune", f"train.lr={as_list(p.lrs)}", f"seed={as_list(p.tune_seeds)}"]),
-            ("final", [*overrides, "protocol.stage=final", f"seed={as_list(p.seeds)}"])]
+            *widen, ("final", [*overrides, "protocol.stage=final", f"seed={as_list(p.seeds)}"])]
 
 
 def exit_status(code: int) -> int:

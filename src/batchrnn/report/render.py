@@ -77,23 +77,39 @@ def header(summary: Summary) -> list[str]:
 
 def protocol(summary: Summary) -> list[str]:
     p = summary.protocol
+    rates = sorted({lr for t in summary.tuning for lr in t["grid"]} | set(p["lrs"]))  # the grid, and where it widened
     lines = ["## Protocol: each variant's learning rate, chosen on validation", "",
              f"- Grid (`protocol.lrs`): {', '.join(f'{lr:g}' for lr in p['lrs'])}; tuning seeds "
              f"(`protocol.tune_seeds`): {', '.join(map(str, p['tune_seeds']))}; seeds of the verdict "
              f"(`protocol.seeds`): {', '.join(map(str, p['seeds']))}.",
-             "- Rule: each variant (every setting but the seed and the rate) keeps the rate of the grid with the "
+             "- Rule: each variant (every setting but the seed and the rate) keeps the rate of its grid with the "
              "lowest best validation WER, averaged over the tuning seeds (ties: the smaller rate; a diverged run "
-             "loses its rate); test WER plays no part. The tables below hold each variant's runs at its chosen "
-             "rate only; the tuning run at that rate is also that seed's run of the verdict.", "",
-             "Best validation WER % by learning rate (mean over the tuning seeds; ✓ chosen, … not finished):", "",
-             "| variant | " + " | ".join(f"lr {lr:g}" for lr in p["lrs"]) + " |", "|---|" + "---:|" * len(p["lrs"])]
+             "loses its rate); test WER plays no part. " + (
+                 f"Where that rate is the grid's lowest or highest, the variant's grid widens by one rate past that "
+                 f"edge, in the grid's own ratio, up to {p['widen']} time{'s' * (p['widen'] > 1)} (`protocol.widen`). "
+                 if p["widen"] and len(p["lrs"]) >= 3 else "")
+             + "The tables below hold each variant's runs at its chosen rate only; the tuning run at that rate is "
+             "also that seed's run of the verdict.", "",
+             "Best validation WER % by learning rate (mean over the tuning seeds; ✓ chosen, … not finished, blank: "
+             "outside that variant's grid):", "",
+             "| variant | " + " | ".join(f"lr {lr:g}" for lr in rates) + " |", "|---|" + "---:|" * len(rates)]
+    edges = []
     for t in summary.tuning:
         cells = []
-        for lr in p["lrs"]:
+        if t["lr"] is not None and t["lr"] in (t["grid"][0], t["grid"][-1]) and len(t["grid"]) >= 3:
+            edges.append(t["label"])
+        for lr in rates:
+            if f"{lr:g}" not in t["by_lr"]:
+                cells.append("")
+                continue
             wer = t["by_lr"][f"{lr:g}"]
             cell = "…" if wer is None else "diverged" if math.isinf(wer) else f"{100 * wer:.1f}"
             cells.append(f"**{cell} ✓**" if lr == t["lr"] else cell)
         lines.append(f"| {t['label']} | " + " | ".join(cells) + " |")
+    if edges:
+        lines += ["", "Chosen at an edge of the widened grid, so a rate beyond it might do better still: "
+                  + ", ".join(edges) + (". Raise `protocol.widen` to look further." if p["widen"] else
+                                        ". Set `protocol.widen` to 1 or more to look past it.")]
     failed = [t for t in summary.tuning if t["lr"] is None and not t["missing"]]
     if failed:
         lines += ["", "Every rate of the grid diverged, so no seeds were trained: " + ", ".join(t["label"] for t in failed)

@@ -46,9 +46,9 @@ class Summary:
     unreadable: list[str]  # results.json paths that could not be read
     duplicates: list[str]  # run folders left out: the same settings and seed as a kept one
     stopped: list[str]  # run folders whose run has no live owner: resume each with its own command
-    protocol: dict | None  # {"lrs", "tune_seeds", "seeds"} when the study tunes each variant's rate
+    protocol: dict | None  # {"lrs", "tune_seeds", "seeds", "widen"} when the study tunes each variant's rate
     tuning: list[dict]  # per variant: label, by_lr {rate: mean best val WER}, the chosen lr, missing (lr, seed)
-    off_grid: list[str]  # labels of rows at a rate outside protocol.lrs: in no table
+    off_grid: list[str]  # labels of rows at a rate outside their variant's grid: in no table
     columns: list[str]  # the settings that vary across rows beyond rnn, bn and impl: table columns, labels
     depth: bool  # the study varies model.num_layers
     rows: list[dict]  # the verdict: a row per setting with finished runs (at its chosen rate under a protocol)
@@ -76,7 +76,7 @@ def build(sweep_dir: Path, now: float | None = None) -> Summary:
     runs, duplicates = by_setting([run_record(r, now) for r in results])
     kept = [run["result"] for group in runs.values() for run in group]
     protocol = protocol_of(kept)
-    choice = choose_lrs(kept, protocol["lrs"], protocol["tune_seeds"]) if protocol else {}
+    choice = choose_lrs(kept, protocol["lrs"], protocol["tune_seeds"], protocol["widen"]) if protocol else {}
     devices = defaultdict(set)  # the rate is chosen per variant whatever ran it (as the final stage chose it)
     for run in (run for group in runs.values() for run in group):
         devices[variant_key(run["result"]["config"])].add(run["settings"][COMPUTED])
@@ -168,14 +168,17 @@ def by_setting(records: list[dict]) -> tuple[dict, list[str]]:
 def protocol_of(results: list[dict]) -> dict | None:
     """The study's learning-rate protocol, when its runs were made by one (batchrnn.study: stage tune or
     final) with a grid; the commonest if several. Single runs of a preset that has a grid are plain runs."""
-    found = Counter(canonical({k: p.get(k) for k in ("lrs", "tune_seeds", "seeds")}) for r in results
-                    if isinstance(p := r["config"].get("protocol"), dict) and p.get("lrs")
-                    and p.get("stage", Stage.single.value) != Stage.single.value)
+    protocols = [p for r in results if isinstance(p := r["config"].get("protocol"), dict) and p.get("lrs")
+                 and p.get("stage", Stage.single.value) != Stage.single.value]
+    found = Counter(canonical({k: p.get(k) for k in ("lrs", "tune_seeds", "seeds")}) for p in protocols)
     if not found:
         return None
     if len(found) > 1:
         log.warning("the runs carry %d different protocols; the report follows the commonest", len(found))
-    return json.loads(found.most_common(1)[0][0])
+    # How far grids widen: the most any run was made under (a finished run keeps the setting it ran with, so
+    # the tuning runs of a study later run with a larger protocol.widen still say the smaller); runs from
+    # before the setting existed were made without widening.
+    return json.loads(found.most_common(1)[0][0]) | {"widen": max(p.get("widen", 0) for p in protocols)}
 
 
 def distinct(results: list[dict], key: str) -> str:
@@ -267,12 +270,13 @@ def make_row(runs: list[dict], columns: list[str], protocol: dict | None, choice
 
 def role(config: dict, protocol: dict | None, choice: dict) -> str:
     """verdict: in the results table; tuning: at a rate its variant did not choose; pending: its variant's
-    tuning is not complete; off_grid: at a rate outside the protocol's grid."""
+    tuning is not complete; off_grid: at a rate outside its variant's grid (protocol.lrs, widened)."""
     if protocol is None:
         return "verdict"
-    lr, chosen = config["train"]["lr"], choice[variant_key(config)]["lr"]
-    if lr not in protocol["lrs"]:
+    lr, entry = config["train"]["lr"], choice[variant_key(config)]
+    if lr not in entry["grid"]:
         return "off_grid"
+    chosen = entry["lr"]
     return "pending" if chosen is None else "verdict" if lr == chosen else "tuning"
 
 
@@ -282,7 +286,7 @@ def tuning_table(rows: list[dict], choice: dict, protocol: dict | None) -> list[
     labels = {}
     for row in rows:  # sorted, so the variants come in the results table's order
         labels.setdefault(variant_key(row["_runs"][0]["result"]["config"]), row["variant"])
-    return [{"label": label, "lr": choice[key]["lr"], "missing": choice[key]["missing"],
+    return [{"label": label, "lr": choice[key]["lr"], "missing": choice[key]["missing"], "grid": choice[key]["grid"],
              "by_lr": {value(lr): wer for lr, wer in choice[key]["by_lr"].items()}} for key, label in labels.items()]
 
 

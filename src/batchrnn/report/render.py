@@ -107,7 +107,7 @@ def protocol(summary: Summary) -> list[str]:
             cells.append(f"**{cell} ✓**" if lr == t["lr"] else cell)
         lines.append(f"| {t['label']} | " + " | ".join(cells) + " |")
     if edges:
-        lines += ["", "Chosen at an edge of the widened grid, so a rate beyond it might do better still: "
+        lines += ["", "Chosen at an edge of its grid, so a rate beyond it might do better still: "
                   + ", ".join(edges) + (". Raise `protocol.widen` to look further." if p["widen"] else
                                         ". Set `protocol.widen` to 1 or more to look past it.")]
     failed = [t for t in summary.tuning if t["lr"] is None and not t["missing"]]

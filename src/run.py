@@ -51,7 +51,7 @@ def main(cfg: DictConfig) -> float:
     if cfg.train.threads == 0:  # the job's share of the cores, recorded in results.json
         cfg.train.threads = job_threads(HydraConfig.get().launcher, len(os.sched_getaffinity(0)))
     from batchrnn.data import DataError  # after validation: a bad value fails before torch loads
-    from batchrnn.protocol import ProtocolError, run_name, settings, tuned_lr, variant_label, widened_lr
+    from batchrnn.protocol import ProtocolError, run_name, tuned_lr, variant_title, widened_lr
     from batchrnn.rundir import RunError, RunFolder
     from batchrnn.train import TrainingDiverged, train
 
@@ -61,11 +61,11 @@ def main(cfg: DictConfig) -> float:
         if cfg.protocol.stage is Stage.final:  # the rate the tuning stage chose for this variant
             cfg.train.lr = tuned_lr(study_dir, to_container(cfg))
         elif cfg.protocol.stage is Stage.widen:  # one more rate past the grid's edge, if its best lies there
-            lr = widened_lr(study_dir, to_container(cfg))
+            config = to_container(cfg)
+            lr = widened_lr(study_dir, config)
             if lr is None:
-                log.info("%s (L%d), seed %d: nothing to widen (its best rate lies inside its grid, every rate "
-                         "diverged, or the grid has widened protocol.widen times)",
-                         variant_label(settings(to_container(cfg))), cfg.model.num_layers, cfg.seed)
+                log.info("%s, seed %d: nothing to widen (its best rate lies inside its grid, every rate diverged, "
+                         "or the grid has widened protocol.widen times)", variant_title(config), cfg.seed)
                 return math.nan
             cfg.train.lr = lr
         folder = RunFolder(study_dir / run_name(to_container(cfg)))

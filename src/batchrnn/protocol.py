@@ -105,12 +105,22 @@ def rate(x: float) -> float:
     return float(f"{x:.6g}")
 
 
+def can_widen(lrs: list[float]) -> bool:
+    """Only a grid of three rates or more widens: with two, both are edges and no best lies inside."""
+    return len(lrs) >= 3
+
+
+def variant_title(config: dict) -> str:
+    """rnn-bn[-cells] (L<layers>): a variant as the protocol's messages name it."""
+    return f"{variant_label(settings(config))} (L{config['model']['num_layers']})"
+
+
 def variant_grid(lrs: list[float], by_lr: dict[float, float | None], widen: int) -> list[float]:
     """The rates one variant is tuned at: `lrs`, widened by one rate past an edge (in the grid's own ratio)
     while its best rate (by_lr: mean best validation WER or None) is the lowest or highest one, at most
-    `widen` times. Only a grid of three rates or more widens: with two, both are edges."""
+    `widen` times (can_widen)."""
     grid = sorted(lrs)
-    for _ in range(widen if len(grid) >= 3 else 0):
+    for _ in range(widen if can_widen(lrs) else 0):
         if any(by_lr.get(lr) is None for lr in grid):
             break  # not all tuned yet: nothing to widen from
         best = min(grid, key=lambda lr: (by_lr[lr], lr))
@@ -176,8 +186,7 @@ def widened_lr(study_dir, config: dict) -> float | None:
     choice = tuning_choice(study_dir, config)
     base = set(config["protocol"]["lrs"])
     if choice is None or any(lr in base for lr, _ in choice["missing"]):
-        m = config["model"]
-        raise ProtocolError(f"{study_dir}: the tuning stage of {m['rnn']}-{m['bn']} (L{m['num_layers']}) is not "
+        raise ProtocolError(f"{study_dir}: the tuning stage of {variant_title(config)} is not "
                             "complete, so its grid cannot widen yet; run the tuning stage first (python -m "
                             "batchrnn.study runs every stage)")
     return next((lr for lr, seed in choice["missing"] if seed == config["seed"]), None)
@@ -192,9 +201,8 @@ def tuned_lr(study_dir, config: dict) -> float:
                             "rates to protocol.lrs and run the tuning stage again")
     if choice is None or choice["lr"] is None:
         missing = choice["missing"] if choice else [(lr, s) for lr in p["lrs"] for s in p["tune_seeds"]]
-        m = config["model"]
         raise ProtocolError(
-            f"{study_dir}: the tuning stage of {m['rnn']}-{m['bn']} (L{m['num_layers']}) is not complete: missing or "
+            f"{study_dir}: the tuning stage of {variant_title(config)} is not complete: missing or "
             f"unfinished (lr, seed) {missing}; run the tuning stages first (python -m batchrnn.study runs them all: "
             "tune, then widen for a rate past the grid's edge)")
     return choice["lr"]

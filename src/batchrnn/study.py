@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from batchrnn.config import ConfigError, register_configs, validate, with_device_preset
 from batchrnn.errors import one_line
+from batchrnn.protocol import can_widen
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = [sys.executable, str(ROOT / "src" / "run.py"), "-m"]
@@ -55,7 +56,7 @@ def stages(overrides: list[str]) -> list[tuple[str, list[str]]]:
     if not p.lrs:
         return [("runs", [*overrides, f"seed={as_list(p.seeds)}"])]
     widen = [(f"widen {i}" if p.widen > 1 else "widen", [*overrides, "protocol.stage=widen", f"seed={as_list(p.tune_seeds)}"])
-             for i in range(1, p.widen + 1)] if len(p.lrs) >= 3 else []
+             for i in range(1, p.widen + 1)] if can_widen(p.lrs) else []
     return [("tune", [*overrides, "protocol.stage=tune", f"train.lr={as_list(p.lrs)}", f"seed={as_list(p.tune_seeds)}"]),
             *widen, ("final", [*overrides, "protocol.stage=final", f"seed={as_list(p.seeds)}"])]
 

@@ -4,6 +4,7 @@ computed here beyond formatting.
 import math
 
 from batchrnn.config import Impl
+from batchrnn.protocol import can_widen
 from batchrnn.report.stats import ALPHA, RESAMPLES
 from batchrnn.report.summary import DEPTH, NONE, Summary, short, value
 
@@ -87,7 +88,7 @@ def protocol(summary: Summary) -> list[str]:
              "loses its rate); test WER plays no part. " + (
                  f"Where that rate is the grid's lowest or highest, the variant's grid widens by one rate past that "
                  f"edge, in the grid's own ratio, up to {p['widen']} time{'s' * (p['widen'] > 1)} (`protocol.widen`). "
-                 if p["widen"] and len(p["lrs"]) >= 3 else "")
+                 if p["widen"] and can_widen(p["lrs"]) else "")
              + "The tables below hold each variant's runs at its chosen rate only; the tuning run at that rate is "
              "also that seed's run of the verdict.", "",
              "Best validation WER % by learning rate (mean over the tuning seeds; ✓ chosen, … not finished, blank: "
@@ -96,7 +97,7 @@ def protocol(summary: Summary) -> list[str]:
     edges = []
     for t in summary.tuning:
         cells = []
-        if t["lr"] is not None and t["lr"] in (t["grid"][0], t["grid"][-1]) and len(t["grid"]) >= 3:
+        if t["lr"] is not None and t["lr"] in (t["grid"][0], t["grid"][-1]) and can_widen(p["lrs"]):
             edges.append(t["label"])
         for lr in rates:
             if f"{lr:g}" not in t["by_lr"]:

@@ -310,14 +310,12 @@ def add_speed(group: list[dict]) -> None:
     bests = [r["best_val_wer"] for r in group if not math.isnan(r["best_val_wer"])]
     threshold = max(bests) if bests else math.nan
     for row in group:
-        times = []
+        times, reached = [], 0
         for run in row["_trained"] if bests else []:
-            reached = first_reach(run["epochs"], threshold)
-            times.append(reached or (len(run["epochs"]), sum(e.get("epoch_time_s") or 0.0 for e in run["epochs"])))
-            run["reached"] = reached is not None
-        row["threshold"], row["trained"] = threshold, len(times)
-        row["reached"] = sum(run["reached"] for run in row["_trained"]) if bests else 0
-        row["censored"] = len(times) - row["reached"]
+            at = first_reach(run["epochs"], threshold)
+            reached += at is not None
+            times.append(at or (len(run["epochs"]), sum(e.get("epoch_time_s") or 0.0 for e in run["epochs"])))
+        row["threshold"], row["trained"], row["reached"], row["censored"] = threshold, len(times), reached, len(times) - reached
         row["epochs_to"], row["epochs_to_std"] = mean_std([e for e, _ in times])
         row["seconds_to"], row["seconds_to_std"] = mean_std([s for _, s in times])
 

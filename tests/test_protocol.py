@@ -97,11 +97,11 @@ def test_a_variant_whose_best_rate_is_an_edge_of_the_grid_is_tuned_one_rate_past
 
 def test_the_study_widens_between_tuning_and_its_seeds():
     names = lambda *o: [name for name, _ in stages(["experiment=smoke", *o])]  # noqa: E731
-    assert names("protocol.lrs=[1e-3,2e-3,4e-3]") == ["tune", "widen", "final"]
-    assert names("protocol.lrs=[1e-3,2e-3,4e-3]", "protocol.widen=2") == ["tune", "widen 1", "widen 2", "final"]
+    assert names("protocol.lrs=[1e-3,2e-3,4e-3]") == ["tune", "widen 1", "widen 2", "final"]  # default: twice
+    assert names("protocol.lrs=[1e-3,2e-3,4e-3]", "protocol.widen=1") == ["tune", "widen", "final"]
     assert names("protocol.lrs=[1e-3,2e-3,4e-3]", "protocol.widen=0") == ["tune", "final"]
     assert names("protocol.lrs=[1e-3,3e-3]") == ["tune", "final"]
-    (_, widen), _ = stages(["experiment=smoke", "protocol.lrs=[1e-3,2e-3,4e-3]"])[1:]
+    (_, widen), _ = stages(["experiment=smoke", "protocol.lrs=[1e-3,2e-3,4e-3]", "protocol.widen=1"])[1:]
     assert "protocol.stage=widen" in widen and "seed=1" in widen and not any(o.startswith("train.lr") for o in widen)
 
 
@@ -109,7 +109,7 @@ def test_widen_stage_trains_only_the_variant_whose_best_rate_is_an_edge(tmp_path
     """Tuning results as copies of one real run: none's best inside its grid (2e-3), post's at the top (4e-3).
     Stage widen trains post at 8e-3 and nothing for none; stage final then takes post's better of 4e-3, 8e-3."""
     base = [sys.executable, "src/run.py", "-m", "experiment=smoke", f"data.root={smoke_root}",
-            f"hydra.sweep.dir={tmp_path}", "protocol.lrs=[1e-3,2e-3,4e-3]"]
+            f"hydra.sweep.dir={tmp_path}", "protocol.lrs=[1e-3,2e-3,4e-3]", "protocol.widen=1"]
     tune = subprocess.run([*base, "model.bn=none", "protocol.stage=tune", "train.lr=1e-3", "seed=1"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert tune.returncode == 0, tune.stderr[-3000:]

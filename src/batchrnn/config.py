@@ -188,8 +188,9 @@ class ProtocolConfig:
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
     stage: Stage = Stage.single
     # How many rates a variant's grid may grow past the edge where its best rate lies, one at a time, in the
-    # grid's own ratio (1e-3, 2e-3, 4e-3 best at 4e-3: 8e-3). 0: never. Only grids of three rates or more.
-    widen: int = 1
+    # grid's own ratio (1e-3, 2e-3, 4e-3 best at 4e-3: 8e-3, then 1.6e-2 if 8e-3 is best). 0: never. Only grids
+    # of three rates or more. Twice: the AN4 grid's gru-skip was best at 8e-3 after widening once.
+    widen: int = 2
     # A study folder whose finished runs this study takes instead of training them again, where a run's
     # settings are the same (its folder name is): the depth study's 3-layer runs are the grid's. "": none.
     reuse_from: str = ""

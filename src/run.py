@@ -24,6 +24,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from batchrnn.config import ConfigError, Stage, register_configs, to_container, validate, with_device_preset
+from batchrnn.errors import DIVERGED
 from batchrnn.sweep import job_threads, record_failed_job
 
 register_configs()
@@ -83,7 +84,7 @@ def main(cfg: DictConfig) -> float:
             sys.exit(2)
         except (RunError, TrainingDiverged) as e:  # this run's own trouble: a sweep goes on with the next job
             log.error("error: %s: %s", folder.path, e)
-            code = 3 if isinstance(e, TrainingDiverged) else 2
+            code = DIVERGED if isinstance(e, TrainingDiverged) else 2
             if hydra_cfg.mode is not RunMode.MULTIRUN:
                 sys.exit(code)
             record_failed_job(code)

@@ -520,3 +520,51 @@ def test_a_variant_run_on_two_kinds_of_device_is_flagged(tmp_path, caplog):
     rows = json.loads((tmp_path / "report.json").read_text())["rows"]
     assert [(r["bn"], r["settings"].get("device"), r["seeds"]) for r in rows if r["bn"] == "none"] == [
         ("none", "cpu", [1, 2]), ("none", "cuda bf16", [2])]
+
+
+def test_training_time_counts_every_run_and_sets_reused_ones_apart(tmp_path):
+    """protocol_study's 9 runs of 3 epochs at 10 s: 270 s, of which the verdict's 6 runs hold 180 s; a run taken
+    from another study is not counted as trained here, and a running one is."""
+    protocol_study(tmp_path)
+    reused = result(config("none", 3, 1e-3), set(), [0.9, 0.5], time_s=3600.0) | {"reused_from": "/elsewhere/run"}
+    write(tmp_path, "reused", reused)
+    running = result(config("seqwise", 3, 3e-3), set(), [0.9], time_s=90.0, status="running")
+    write(tmp_path, "running", running)
+    text = write_report(tmp_path).read_text()
+    compute = json.loads((tmp_path / "report.json").read_text())["compute"]
+    assert compute == pytest.approx({"hours": 0.1, "runs": 10, "verdict_hours": 0.075, "reused_hours": 2.0,
+                                     "reused_runs": 1})
+    assert "- Training time: 0.10 h over 10 runs on cpu" in text
+    assert ", 0.07 h of it in the runs of the verdict; besides, 1 finished runs (2.00 h) were taken" in text
+
+
+def test_only_reports_the_runs_with_those_settings_and_compares_only_them(tmp_path, capsys):
+    """A folder with the grid's placements and another normalisation beside them (as the grid's folder holds
+    ln, wn, ln_full after the norms study): --only model.bn=... reports the grid alone, its comparisons the
+    only family Holm corrects over; rates match by value."""
+    protocol_study(tmp_path)
+    p = {"lrs": [1e-3, 3e-3], "tune_seeds": [1], "seeds": [1, 2], "stage": "tune"}
+    for lr, val in ((1e-3, 0.5), (3e-3, 0.4)):
+        write(tmp_path, f"ln-{lr}-1", result(config("ln", 1, lr, p), set(range(40)), [0.9, val]))
+    everything = json.loads((write_report(tmp_path, tmp_path / "all").parent / "report.json").read_text())
+    assert {r["bn"] for r in everything["rows"]} == {"none", "input", "seqwise", "ln"}
+    assert len(everything["comparisons"]) == 5  # input, seqwise, ln vs none; input, ln vs seqwise
+
+    main([str(tmp_path), "--out", str(tmp_path / "grid"), "--only", "model.bn=none,input", "--only", "model.bn=seqwise"])
+    grid = json.loads((tmp_path / "grid" / "report.json").read_text())
+    assert [r["bn"] for r in grid["rows"]] == ["none", "input", "seqwise"] and len(grid["comparisons"]) == 3
+    assert grid["only"] == {"settings": {"model.bn": ["none", "input", "seqwise"]}, "left_out": 2}
+    assert "Holm–Bonferroni over the 3 comparisons" in grid["significance"]
+    assert ("- Only the runs with model.bn in none, input, seqwise (`--only`): 2 other runs in the folder are in no "
+            "table, plot or comparison.") in (tmp_path / "grid" / "report.md").read_text()
+
+    main([str(tmp_path), "--out", str(tmp_path / "rate"), "--only", "train.lr=3e-3", "--only", "model.bn=ln"])
+    rate = json.loads((tmp_path / "rate" / "report.json").read_text())  # 3e-3 is the runs' 0.003
+    assert rate["only"]["left_out"] == 10 and [t["by_lr"] for t in rate["tuning"]] == [{"0.001": None, "0.003": 0.4}]
+
+    for bad, message in ((["--only", "model.norm=ln"], "--only model.norm: not a setting of these runs"),
+                         (["--only", "model.bn"], "write SETTING=V1,V2"),
+                         (["--only", "model.bn=wn"], "no run has model.bn in wn")):
+        with pytest.raises(SystemExit) as stop:
+            main([str(tmp_path), "--out", str(tmp_path / "bad"), *bad])
+        assert stop.value.code == 2 and message in capsys.readouterr().err

@@ -1,5 +1,6 @@
 """The trainer end to end on the generated smoke corpus: results, resume, W&B offline, sweeps."""
 import json
+import logging
 import subprocess
 import sys
 
@@ -7,7 +8,7 @@ import pytest
 
 from batchrnn.checkpoint import load_model
 from batchrnn.metrics import error_rates
-from batchrnn.rundir import BEST, CHECKPOINT, RESULTS
+from batchrnn.rundir import BEST, CHECKPOINT, LOG, RESULTS, RunFolder
 from batchrnn.train import train
 from conftest import ROOT
 from wandb_offline import read_offline_run
@@ -61,9 +62,15 @@ def test_finished_run_is_not_run_again(smoke, tmp_path):
     assert (tmp_path / CHECKPOINT).stat().st_mtime_ns != mtime and rerun["status"] == "finished"
 
 
-def test_a_finished_run_of_another_study_with_the_same_settings_is_taken_not_retrained(smoke, tmp_path):
-    grid = train(smoke("study=grid"), tmp_path / "grid" / "run")
-    taken = train(smoke("study=depth", f"protocol.reuse_from={tmp_path / 'grid'}"), tmp_path / "depth" / "run")
+def test_a_finished_run_of_another_study_with_the_same_settings_is_taken_not_retrained(smoke, tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    with RunFolder(tmp_path / "grid" / "run").logging():  # as run.py runs it: the run's log in its folder
+        grid = train(smoke("study=grid"), tmp_path / "grid" / "run")
+    with RunFolder(tmp_path / "depth" / "run").logging():
+        taken = train(smoke("study=depth", f"protocol.reuse_from={tmp_path / 'grid'}"), tmp_path / "depth" / "run")
+    # the source's log, then the line that says where it came from (written to the copy, not a replaced file)
+    source_log, log = (tmp_path / "grid" / "run" / LOG).read_text(), (tmp_path / "depth" / "run" / LOG).read_text()
+    assert "epoch 1:" in source_log and log.startswith(source_log) and "taken, not trained again" in log[len(source_log):]
     assert taken["reused_from"] == str(tmp_path / "grid" / "run") and taken["study"] == "depth"
     assert {k: taken[k] for k in FINAL_KEYS | {"epochs", "test_utterances"}} == \
         {k: grid[k] for k in FINAL_KEYS | {"epochs", "test_utterances"}}

@@ -74,9 +74,10 @@ class RunFolder:
         if not (isinstance(found, dict) and found.get("status") == "finished" and isinstance(found.get("config"), dict)
                 and not mismatch(found["config"], config)):
             return False
-        for name in (BEST, LOG):
-            if (source / name).exists():
-                atomic_write(self.file(name), lambda tmp, name=name: shutil.copyfile(source / name, tmp))
+        if (source / BEST).exists():
+            atomic_write(self.file(BEST), lambda tmp: shutil.copyfile(source / BEST, tmp))
+        if (source / LOG).exists():  # in place, not replaced: the run's log handler (logging()) has it open and
+            shutil.copyfile(source / LOG, self.file(LOG))  # appends after the copy, the line below among it
         found["config"] = found["config"] | {"study": config["study"]}
         self.write_results(found | {"study": config["study"], "preset": preset, "reused_from": str(source)})
         log.info("%s: the finished run %s has the same settings; taken, not trained again", self.path, source)

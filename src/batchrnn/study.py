@@ -20,7 +20,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from batchrnn.config import ConfigError, register_configs, validate, with_device_preset
-from batchrnn.errors import one_line
+from batchrnn.errors import DIVERGED, one_line, worst
 from batchrnn.protocol import can_widen
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,12 +66,6 @@ def exit_status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def worst(a: int, b: int) -> int:
-    """The exit status that says more: 0 (all well) < 3 (some runs diverged, which the protocol counts)
-    < anything else (a user error, a damaged run folder, a crash), the larger of those."""
-    return max(a, b, key=lambda c: (c not in (0, 3), c))
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides and sweeps, as for src/run.py -m")
@@ -87,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         # 3: some runs diverged, which the rate choice counts as lost. Anything else stops before the final
         # stage; after it (a variant with no rate to take, a damaged run folder), the report still shows
         # what finished, and the exit status says that something did not.
-        if code not in (0, 3) and i < len(plan) - 1:
+        if code not in (0, DIVERGED) and i < len(plan) - 1:
             sys.exit(code)
         status = worst(status, code)
     report = [sys.executable, "-m", "batchrnn.report", str(study_dir)] + ["--wandb"] * args.wandb

@@ -6,11 +6,14 @@ callback, conf/config.yaml) turns those into the sweep's exit status once every 
 """
 import shutil
 import sys
+from functools import reduce
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
+
+from batchrnn.errors import worst
 
 FAILED_DIR = ".failed_jobs"  # in the sweep folder: one file per failed job, named by job number, holding its status
 
@@ -37,7 +40,8 @@ def record_failed_job(status: int) -> None:
 
 
 class SweepStatus(Callback):
-    """Exit status of a sweep: that of its worst failed job (3 diverged, 2 damaged folder), else 0."""
+    """Exit status of a sweep: that of its worst failed job (errors.worst: 2, a damaged folder or a protocol
+    stage that cannot run, says more than 3, diverged), else 0."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         shutil.rmtree(Path(config.hydra.sweep.dir) / FAILED_DIR, ignore_errors=True)  # a previous sweep's
@@ -48,4 +52,4 @@ class SweepStatus(Callback):
         if statuses:
             print(f"error: {len(statuses)} runs of this sweep stopped early; their 'error:' lines above say why",
                   file=sys.stderr)
-            sys.exit(max(statuses))
+            sys.exit(reduce(worst, statuses))

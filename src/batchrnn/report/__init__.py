@@ -1,7 +1,7 @@
 """The study report: one summary of a sweep's results (batchrnn.report.summary), read by the tables of
 report.md and report.json (render), the plots (plots) and the W&B report run (wandb_run).
 
-    python -m batchrnn.report SWEEP_DIR [--out DIR] [--wandb]
+    python -m batchrnn.report SWEEP_DIR [--out DIR] [--only SETTING=V1,V2 ...] [--wandb]
 """
 from pathlib import Path
 
@@ -10,12 +10,14 @@ from batchrnn.report import plots, render
 from batchrnn.report.summary import build
 
 
-def write_report(sweep_dir: Path, out_dir: Path | None = None, wandb: LoggerMode | None = None) -> Path:
+def write_report(sweep_dir: Path, out_dir: Path | None = None, wandb: LoggerMode | None = None,
+                 only: dict[str, list[str]] | None = None) -> Path:
     """Writes report.md, report.json and the PNGs for the results.json files under sweep_dir (default
-    out_dir: sweep_dir) and, with a wandb mode, logs them to W&B too; returns the path of report.md."""
+    out_dir: sweep_dir; only: the runs with these settings, summary.build) and, with a wandb mode, logs them
+    to W&B too; returns the path of report.md."""
     import json
 
-    summary = build(sweep_dir)
+    summary = build(sweep_dir, only=only)
     out_dir = Path(out_dir) if out_dir else Path(sweep_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     drawn = plots.draw(summary, out_dir)

@@ -6,7 +6,7 @@ import math
 from batchrnn.config import Impl
 from batchrnn.protocol import can_widen
 from batchrnn.report.stats import ALPHA, RESAMPLES
-from batchrnn.report.summary import DEPTH, NONE, Summary, short, value
+from batchrnn.report.summary import DEPTH, NONE, Summary, short, shown, value
 
 FAMILY_WISE = f"a family-wise {ALPHA:.0%} level, Holm–Bonferroni"
 
@@ -61,6 +61,10 @@ def header(summary: Summary) -> list[str]:
             + (f", {len(summary.unreadable)} unreadable and skipped" if summary.unreadable else ""))
     lines = [f"# Study report: {summary.study}", "", f"- Preset: {summary.preset}",
              f"- Device: {summary.devices}; torch {summary.torch}", f"- Runs: {runs}"]
+    if summary.only["settings"]:
+        lines.append(f"- Only the runs with {shown(summary.only['settings'])} (`--only`): {summary.only['left_out']} other "
+                     "runs in the folder are in no table, plot or comparison.")
+    lines.append(compute_line(summary))
     if len(summary.machines) > 1:
         lines.append(f"- Machines: {len(summary.machines)} ({'; '.join(summary.machines)}). Runs are deterministic on "
                      "one machine only, and epoch times of different machines differ (up to 1.7x seen here), so the "
@@ -299,13 +303,25 @@ def depth_effect(summary: Summary) -> list[str]:
     return lines
 
 
+def compute_line(summary: Summary) -> str:
+    c = summary.compute
+    line = (f"- Training time: {c['hours']:.2f} h over {c['runs']} runs on {summary.devices} (the sum of their epoch "
+            "times: tuning, unfinished and diverged runs included; validation, testing and start-up are not timed)")
+    if summary.protocol:
+        line += f", {c['verdict_hours']:.2f} h of it in the runs of the verdict"
+    if c["reused_runs"]:
+        line += (f"; besides, {c['reused_runs']} finished runs ({c['reused_hours']:.2f} h) were taken from another "
+                 "study (`protocol.reuse_from`), not trained again")
+    return line + "."
+
+
 def as_json(summary: Summary, plots: list[str]) -> dict:
     """report.json: the summary less the runs themselves (they are the results.json files), strict JSON."""
     return ready({
         "sweep_dir": summary.sweep_dir, "study": summary.study, "preset": summary.preset, "devices": summary.devices, "machines": summary.machines,
         "torch": summary.torch, "columns": summary.columns, **summary.counts, "skipped": summary.unreadable, "stopped_runs": summary.stopped,
         "duplicates": summary.duplicates, "protocol": summary.protocol, "tuning": summary.tuning,
-        "off_grid": summary.off_grid, "failed": summary.failed, "unpaired": summary.unpaired, "significance": significance(summary) if summary.rows else None,
+        "off_grid": summary.off_grid, "failed": summary.failed, "unpaired": summary.unpaired, "compute": summary.compute, "only": summary.only, "significance": significance(summary) if summary.rows else None,
         "splits": splits(summary) if summary.rows else None, "plots": plots,
         "rows": [public(r) for r in summary.rows], "comparisons": [public(c) for c in summary.comparisons]})
 

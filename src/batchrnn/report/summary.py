@@ -56,12 +56,16 @@ class Summary:
     curves: list[dict]  # rows whose per-epoch curves are plotted: the verdict's and those of variants still tuning
     comparisons: list[dict]  # head to head, Holm-adjusted over all of them
     unpaired: list[str]  # per group, the reference (`none`, `seqwise`) it lacks, so comparisons it cannot make
+    compute: dict  # hours of training spent on the study's runs: training_time
+    only: dict  # {setting: [values]}: the runs kept (`--only`), and how many others the folder holds
     logger: dict  # the runs' W&B project, entity and tags
 
 
-def build(sweep_dir: Path, now: float | None = None) -> Summary:
+def build(sweep_dir: Path, now: float | None = None, only: dict[str, list[str]] | None = None) -> Summary:
     """Reads every results.json under sweep_dir and builds the summary; raises FileNotFoundError when
-    there is nothing to report."""
+    there is nothing to report. only: {setting: [values]} keeps the runs with one of those values of each
+    (e.g. the grid's placements of a folder that also holds other normalisations: the comparisons, and so
+    the family Holm corrects over, are those of the runs kept); FilterError names an unknown setting."""
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
         raise FileNotFoundError(f"{sweep_dir}: no such folder; pass the folder that holds the sweep's runs")
@@ -72,6 +76,12 @@ def build(sweep_dir: Path, now: float | None = None) -> Summary:
         unreadable.append(Path(r["path"]) / "results.json")
     if not results:
         raise FileNotFoundError(f"{sweep_dir}: no readable results.json under it; has any run started?")
+    left_out = 0
+    if only:
+        kept_results = [r for r in results if selected(known_settings(r["config"]), only)]
+        left_out, results = len(results) - len(kept_results), kept_results
+        if not results:
+            raise FileNotFoundError(f"{sweep_dir}: no run has {shown(only)}")
     now = time.time() if now is None else now
     runs, duplicates = by_setting([run_record(r, now) for r in results])
     kept = [run["result"] for group in runs.values() for run in group]
@@ -107,11 +117,40 @@ def build(sweep_dir: Path, now: float | None = None) -> Summary:
         columns=columns, depth=DEPTH in columns, rows=verdict,
         failed=[r["label"] for r in rows if r["role"] == "verdict" and not r["n"] and r["diverged"]],
         curves=[r for r in rows if r["role"] in ("verdict", "pending")], comparisons=comparisons, unpaired=unpaired,
+        compute=training_time(rows), only={"settings": only or {}, "left_out": left_out},
         logger=next((r["config"]["logger"] for r in kept if isinstance(r["config"].get("logger"), dict)), {}))
 
 
 # ----------------------------------------------------------------------------------------------------
 # runs
+
+
+class FilterError(ValueError):
+    """An `--only` filter that names no setting of the runs."""
+
+
+def selected(s: dict, only: dict[str, list[str]]) -> bool:
+    """Whether flat settings s have, for each setting of `only`, one of its values (as typed: numbers by
+    value, so 2e-3 is 0.002)."""
+    unknown = sorted(k for k in only if k not in s)
+    if unknown:
+        raise FilterError(f"--only {unknown[0]}: not a setting of these runs; use a dotted name of the config, "
+                         "e.g. model.bn, model.rnn, model.num_layers, train.lr")
+    return all(any(same(s[k], v) for v in values) for k, values in only.items())
+
+
+def same(setting, typed: str) -> bool:
+    if isinstance(setting, (int, float)) and not isinstance(setting, bool):
+        try:
+            return float(typed) == float(setting)
+        except ValueError:
+            return False
+    return value(setting) == typed
+
+
+def shown(only: dict[str, list[str]]) -> str:
+    """model.bn in none, seqwise; model.rnn in gru: a filter as the report names it."""
+    return "; ".join(f"{k} in {', '.join(v)}" for k, v in only.items())
 
 
 def computed_on(result: dict) -> str:
@@ -278,6 +317,24 @@ def role(config: dict, protocol: dict | None, choice: dict) -> str:
         return "off_grid"
     chosen = entry["lr"]
     return "pending" if chosen is None else "verdict" if lr == chosen else "tuning"
+
+
+def training_time(rows: list[dict]) -> dict:
+    """What the study cost: hours of training (the sum of the epochs' times: validation, testing and start-up
+    are not timed) of every run read (duplicates left out, unfinished and diverged runs in), with the share in
+    the verdict's rows; runs taken from another study (protocol.reuse_from) apart, as they were not trained here."""
+    out = {"hours": 0.0, "runs": 0, "verdict_hours": 0.0, "reused_hours": 0.0, "reused_runs": 0}
+    for row in rows:
+        for run in row["_runs"]:
+            hours = sum(e.get("epoch_time_s") or 0.0 for e in run["epochs"]) / 3600
+            if run["result"].get("reused_from"):
+                out["reused_hours"] += hours
+                out["reused_runs"] += 1
+                continue
+            out["hours"] += hours
+            out["runs"] += 1
+            out["verdict_hours"] += hours * (row["role"] == "verdict")
+    return out
 
 
 def tuning_table(rows: list[dict], choice: dict, protocol: dict | None) -> list[dict]:

@@ -1,0 +1,94 @@
+"""The cost of one training step of trained models, on the same AN4 batches, with subnormal floats kept and
+flushed to zero.
+
+Why it exists: in the AN4 grid on the CPU, GRU `none` epochs took about 26 s and GRU `seqwise` epochs about
+18 s, while `bench_rnn.py` (random weights and inputs) puts seqwise at 1.12x none. One hypothesis is
+subnormal arithmetic, which x86 CPUs run many times slower and which trained weights and small gradients
+can produce: if so, flushing subnormals to zero (torch.set_flush_denormal) closes the gap. The models are
+each run's best.pt; --fresh adds each at a fresh initialisation (the run's seed), as bench_rnn.py sees it.
+
+    python experiments/step_cost.py runs/an4_cpu/gru-none-L3-lr0.002-s1-* runs/an4_cpu/gru-seqwise-L3-lr0.004-s1-* --fresh
+
+Rounds interleave the models and both modes, so drift of the machine hits them alike; the figure is the
+median over rounds of the mean step time over the batches. Run it with nothing else on the machine.
+"""
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from batchrnn.checkpoint import load_model
+from batchrnn.config import Config
+from batchrnn.features import collate, make_batches
+from batchrnn.train import Run, ctc_loss
+
+
+def subnormal_share(model: torch.nn.Module) -> float:
+    """The share of the gradients' nonzero elements that are subnormal."""
+    tiny, subnormal, nonzero = torch.finfo(torch.float32).tiny, 0, 0
+    for p in model.parameters():
+        if p.grad is not None:
+            g = p.grad.detach()
+            subnormal += int(((g != 0) & (g.abs() < tiny)).sum())
+            nonzero += int((g != 0).sum())
+    return subnormal / max(nonzero, 1)
+
+
+def step(model, ctc, batch) -> None:
+    model.zero_grad(set_to_none=True)
+    loss, _, _ = ctc_loss(model, ctc, *batch, bf16=False)
+    loss.backward()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="run folders, each holding a best.pt")
+    parser.add_argument("--batches", type=int, default=6, help="training batches per measurement (default 6)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    parser.add_argument("--fresh", action="store_true", help="also each run's model at a fresh initialisation")
+    args = parser.parse_args(argv)
+    if not torch.set_flush_denormal(True):
+        parser.error("this CPU cannot flush subnormals to zero (torch.set_flush_denormal), so there is nothing to compare")
+    torch.set_flush_denormal(False)
+
+    models, batches, ctc = {}, None, None
+    for folder in args.runs:
+        trained, blob = load_model(folder / "best.pt")
+        run = Run(OmegaConf.merge(OmegaConf.structured(Config), blob["config"]))  # its data, and a fresh model
+        name = folder.name.rsplit("-", 1)[0]
+        models[name] = trained.train()
+        if args.fresh:
+            models[name + " (fresh)"] = run.model.train()
+        if batches is None:  # the same batches for every model: one corpus, one preset's features
+            fs, ctc = run.sets["train"], run.ctc
+            order = make_batches([fs.lengths[i] for i in run.train_indices], run.cfg.train.batch_size, True, seed=1)
+            batches = [collate(fs, [run.train_indices[i] for i in b]) for b in order[:args.batches]]
+
+    times = {(name, flush): [] for name in models for flush in (False, True)}
+    share = {}
+    for _ in range(args.rounds):
+        for name, model in models.items():
+            for flush in (False, True):
+                torch.set_flush_denormal(flush)
+                step(model, ctc, batches[0])  # warm-up
+                start = time.perf_counter()
+                for batch in batches:
+                    step(model, ctc, batch)
+                times[name, flush].append((time.perf_counter() - start) / len(batches))
+                if not flush:
+                    share[name] = subnormal_share(model)
+    torch.set_flush_denormal(False)
+
+    print(f"cpu ({torch.get_num_threads()} threads), torch {torch.__version__}, {len(batches)} AN4 training "
+          f"batches, forward + CTC + backward, median of {args.rounds} interleaved rounds")
+    print(f"{'model':<40} {'kept ms':>9} {'flushed ms':>11} {'kept/flushed':>13} {'subnormal grads':>16}")
+    for name in models:
+        kept, flushed = (statistics.median(times[name, f]) * 1e3 for f in (False, True))
+        print(f"{name:<40} {kept:9.1f} {flushed:11.1f} {kept / flushed:13.2f} {share[name]:16.2%}")
+
+
+if __name__ == "__main__":
+    main()

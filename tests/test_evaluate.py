@@ -1,5 +1,6 @@
 """A trained model outside its run: best.pt rebuilds the model, and `python -m batchrnn.evaluate` re-scores
 a run and transcribes audio files with it, on the generated smoke corpus."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -99,3 +100,30 @@ def test_missing_run_and_results_file_instead_of_checkpoint(run, tmp_path):
     assert done.returncode == 2 and "nowhere: no such file" in done.stderr
     done = evaluate("transcribe", str(run[0] / RESULTS), "a.wav")
     assert done.returncode == 2 and "not a readable model file" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_step_cost_times_a_trained_model_and_its_fresh_twin_on_the_same_batches(run, tmp_path, capsys):
+    """experiments/step_cost.py: one row per model (trained, and at its seed's initialisation), and a clear
+    error for runs whose data settings differ, since no batches would fit them all."""
+    spec = importlib.util.spec_from_file_location("step_cost", ROOT / "experiments" / "step_cost.py")
+    step_cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(step_cost)
+    out = run[0]
+    step_cost.main([str(out), "--fresh", "--batches", "1", "--rounds", "1"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[:-4] for r in rows] == [[out.name], [out.name, "(fresh)"]]
+    assert all(float(r[-4]) > 0 and float(r[-3]) > 0 for r in rows)
+
+    other = tmp_path / "other-s1"
+    other.mkdir()
+    blob = torch.load(out / BEST, weights_only=True)
+    blob["config"]["data"]["hop_ms"] = 2 * blob["config"]["data"]["hop_ms"]
+    torch.save(blob, other / BEST)
+    with pytest.raises(SystemExit) as stop:
+        step_cost.main([str(out), str(other)])
+    assert stop.value.code == 2
+    assert "the runs read different data settings (data.*)" in capsys.readouterr().err
+    step_cost.main([str(out), "--phases", "--batches", "1", "--rounds", "1"])
+    head, row = capsys.readouterr().out.splitlines()[1:]
+    assert head.split() == ["model", *step_cost.PHASES, "total"] and row.split()[0] == out.name
+    assert all(float(ms) >= 0 for ms in row.split()[1:]) and float(row.split()[-1]) > 0

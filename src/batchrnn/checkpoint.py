@@ -54,11 +54,16 @@ def load_model(path: Path, device: str | torch.device = "cpu") -> tuple[DeepSpee
         raise CheckpointError(f"{path}: trained on the alphabet {blob['labels']!r}, this version's is "
                               f"{ALPHABET!r}; {SAME_VERSION}")
     try:
-        model = DeepSpeech2(typed(ModelConfig, blob["config"]["model"]), blob["num_features"], len(ALPHABET))
+        model = model_of(blob)
         model.load_state_dict(blob.pop("state_dict"))
     except (OmegaConfBaseException, RuntimeError, KeyError) as e:  # the model's code changed since
         raise CheckpointError(f"{path}: does not fit this version's model ({one_line(e)}); {SAME_VERSION}") from e
     return model.to(device).eval(), blob
+
+
+def model_of(blob: dict) -> DeepSpeech2:
+    """A freshly initialised model of a save_model file's config (torch's generator sets its weights)."""
+    return DeepSpeech2(typed(ModelConfig, blob["config"]["model"]), blob["num_features"], len(ALPHABET))
 
 
 def typed(schema: type, values: dict):

@@ -76,14 +76,15 @@ def build(sweep_dir: Path, now: float | None = None, only: dict[str, list[str]] 
         unreadable.append(Path(r["path"]) / "results.json")
     if not results:
         raise FileNotFoundError(f"{sweep_dir}: no readable results.json under it; has any run started?")
-    left_out = 0
-    if only:
-        kept_results = [r for r in results if selected(known_settings(r["config"]), only)]
-        left_out, results = len(results) - len(kept_results), kept_results
-        if not results:
-            raise FileNotFoundError(f"{sweep_dir}: no run has {shown(only)}")
     now = time.time() if now is None else now
-    runs, duplicates = by_setting([run_record(r, now) for r in results])
+    records, left_out = [run_record(r, now) for r in results], 0
+    if only:
+        check_filter(only, records)
+        kept_records = [run for run in records if selected(run["settings"], only)]
+        left_out, records = len(records) - len(kept_records), kept_records
+        if not records:
+            raise FileNotFoundError(f"{sweep_dir}: no run has {shown(only)}")
+    runs, duplicates = by_setting(records)
     kept = [run["result"] for group in runs.values() for run in group]
     protocol = protocol_of(kept)
     choice = choose_lrs(kept, protocol["lrs"], protocol["tune_seeds"], protocol["widen"]) if protocol else {}
@@ -129,14 +130,19 @@ class FilterError(ValueError):
     """An `--only` filter that names no setting of the runs."""
 
 
-def selected(s: dict, only: dict[str, list[str]]) -> bool:
-    """Whether flat settings s have, for each setting of `only`, one of its values (as typed: numbers by
-    value, so 2e-3 is 0.002)."""
-    unknown = sorted(k for k in only if k not in s)
+def check_filter(only: dict[str, list[str]], records: list[dict]) -> None:
+    """Raises FilterError when `only` names a setting that no run has."""
+    known = set().union(*(run["settings"] for run in records))
+    unknown = sorted(k for k in only if k not in known)
     if unknown:
         raise FilterError(f"--only {unknown[0]}: not a setting of these runs; use a dotted name of the config, "
                          "e.g. model.bn, model.rnn, model.num_layers, train.lr")
-    return all(any(same(s[k], v) for v in values) for k, values in only.items())
+
+
+def selected(s: dict, only: dict[str, list[str]]) -> bool:
+    """Whether flat settings s have, for each setting of `only`, one of its values (as typed: numbers by
+    value, so 2e-3 is 0.002); a run without the setting has none of them."""
+    return all(k in s and any(same(s[k], v) for v in values) for k, values in only.items())
 
 
 def same(setting, typed: str) -> bool:

@@ -100,6 +100,7 @@ def test_report(sweep, tmp_path, caplog):
     assert "CPU-sized preset" in text
     assert "12 finished, 1 still running, 1 diverged" in text and "1 unreadable" in text
     assert "Protocol" not in text  # a plain sweep: every row is in the results table
+    assert "Epoch times drifted" not in text  # seeds' epoch times at most 1.11x apart
 
     rows = table_rows(section(text, "Quality at convergence"))
     # lstm-none's seed 3 diverged: in no mean, but said beside n
@@ -498,6 +499,23 @@ def test_runs_from_several_machines_are_named_and_their_time_ratios_qualified(tm
     for path in tmp_path.rglob("results.json"):  # one machine: no such line
         path.write_text(json.dumps(json.loads(path.read_text()) | {"machine": "a: Xeon"}))
     assert "Machines:" not in write_report(tmp_path).read_text()
+
+
+def test_seeds_whose_epoch_times_drifted_apart_are_named_below_the_table(tmp_path):
+    """The same work at speeds more than 15% apart: the machine's speed changed while the study ran (seen on
+    the shared VM of the AN4 study), so the time ratios are not costs, and the report says so under the table."""
+    times = {("none", 1): 10.0, ("none", 2): 13.0, ("seqwise", 1): 12.0, ("seqwise", 2): 11.5 * 1.15}
+    for (bn, seed), t in times.items():
+        write(tmp_path, f"{bn}-{seed}", result(config(bn, seed, 1e-3), set(), [0.9, 0.5], time_s=t))
+    text = write_report(tmp_path).read_text()
+    assert ("Epoch times drifted: the seeds of 1 setting did the same work at speeds up to 1.30x apart "
+            "(gru-none: 10.0 to 13.0 s), so this machine's speed changed while the study ran") in text
+    assert json.loads((tmp_path / "report.json").read_text())["drift"] == [
+        {"label": "gru-none", "min_s": 10.0, "max_s": 13.0, "ratio": pytest.approx(1.3)}]  # 1.15x exactly: steady
+    for path in tmp_path.rglob("results.json"):  # epochs under a second (smoke runs): timer noise, no warning
+        r = json.loads(path.read_text())
+        path.write_text(json.dumps(r | {"epoch_time_s": r["epoch_time_s"] / 20}))
+    assert "Epoch times drifted" not in write_report(tmp_path).read_text()
 
 
 def test_a_stray_run_at_the_chosen_rate_stays_out_of_the_verdict(tmp_path):

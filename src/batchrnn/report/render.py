@@ -6,7 +6,7 @@ import math
 from batchrnn.config import Impl
 from batchrnn.protocol import can_widen
 from batchrnn.report.stats import ALPHA, RESAMPLES
-from batchrnn.report.summary import DEPTH, NONE, Summary, short, shown, value
+from batchrnn.report.summary import DEPTH, DRIFT, NONE, Summary, short, shown, value
 
 FAMILY_WISE = f"a family-wise {ALPHA:.0%} level, Holm–Bonferroni"
 
@@ -19,8 +19,11 @@ WER; the best test WER of each group (an rnn with its depth and other settings) 
 diverged" after n: k more seeds of that setting diverged, so they have no test WER and are in no mean.
 †k after n: k of the n runs reached the epoch cap while validation WER was still improving, so they may
 not have converged; comparisons involving them say so (a † beside a ΔWER). Time and memory ratios divide by the `none` row of the
-same group: measured in this sweep on one machine, they rank the variants' costs but do not transfer to
-other hardware (peak memory is CUDA max allocated on a GPU, process peak RSS on the CPU).
+same group: measured in this sweep on one machine, they rank the variants' costs only while the machine's
+speed holds steady over the sweep (the report warns below the table when one setting's seeds took epochs
+more than {DRIFT - 1:.0%} apart; `make bench` interleaves the variants and measures their cost in one run), and
+they do not transfer to other hardware (peak memory is CUDA max allocated on a GPU, process peak RSS on the
+CPU).
 
 ΔWER is the first variant minus the second in WER points (each test utterance's word errors averaged
 over seeds), with a 95% interval from a two-level bootstrap ({RESAMPLES:,} resamples): each draws both
@@ -188,6 +191,12 @@ def results_table(summary: Summary) -> list[str]:
         lines.append("| " + " | ".join(cells) + " |")
     if summary.failed:
         lines += ["", "Every seed diverged, so in no table: " + ", ".join(summary.failed) + "."]
+    if summary.drift:
+        spread = "; ".join(f"{d['label']}: {d['min_s']:.1f} to {d['max_s']:.1f} s" for d in summary.drift)
+        lines += ["", f"Epoch times drifted: the seeds of {len(summary.drift)} setting{'s' * (len(summary.drift) > 1)} "
+                  f"did the same work at speeds up to {summary.drift[0]['ratio']:.2f}x apart ({spread}), so this "
+                  "machine's speed changed while the study ran, and the time column and its ratios mix the hour a "
+                  "run ran with the variant's cost; `make bench` measures the cost, interleaving the variants."]
     return lines
 
 
@@ -321,7 +330,7 @@ def as_json(summary: Summary, plots: list[str]) -> dict:
         "sweep_dir": summary.sweep_dir, "study": summary.study, "preset": summary.preset, "devices": summary.devices, "machines": summary.machines,
         "torch": summary.torch, "columns": summary.columns, **summary.counts, "skipped": summary.unreadable, "stopped_runs": summary.stopped,
         "duplicates": summary.duplicates, "protocol": summary.protocol, "tuning": summary.tuning,
-        "off_grid": summary.off_grid, "failed": summary.failed, "unpaired": summary.unpaired, "compute": summary.compute, "only": summary.only, "significance": significance(summary) if summary.rows else None,
+        "off_grid": summary.off_grid, "failed": summary.failed, "unpaired": summary.unpaired, "compute": summary.compute, "drift": summary.drift, "only": summary.only, "significance": significance(summary) if summary.rows else None,
         "splits": splits(summary) if summary.rows else None, "plots": plots,
         "rows": [public(r) for r in summary.rows], "comparisons": [public(c) for c in summary.comparisons]})
 

@@ -31,6 +31,10 @@ METRICS = ("test_wer", "test_cer", "best_val_wer", "epoch_time_s", "peak_mem_mb"
 # A "running" run with no file written for this long has no live owner: it was stopped (a signal, a
 # lost job). Generous, since a results file is written once an epoch and validation is not timed.
 STALE_MIN_S, STALE_EPOCHS = 600, 3
+# Seeds of one setting compute the same epochs, so their median epoch times differ by a few percent on a
+# steady machine; more than this (max over min) means its speed drifted while the study ran. Epochs under
+# DRIFT_MIN_S (smoke runs) are too short for their spread to say anything about the machine.
+DRIFT, DRIFT_MIN_S = 1.15, 1.0
 STATUS_RANK = {"finished": 3, "diverged": 2, "running": 1, "stopped": 0}  # which of two copies to keep
 
 
@@ -57,6 +61,7 @@ class Summary:
     comparisons: list[dict]  # head to head, Holm-adjusted over all of them
     unpaired: list[str]  # per group, the reference (`none`, `seqwise`) it lacks, so comparisons it cannot make
     compute: dict  # hours of training spent on the study's runs: training_time
+    drift: list[dict]  # rows whose seeds' epoch times differ by more than DRIFT: time_drift
     only: dict  # {setting: [values]}: the runs kept (`--only`), and how many others the folder holds
     logger: dict  # the runs' W&B project, entity and tags
 
@@ -118,7 +123,7 @@ def build(sweep_dir: Path, now: float | None = None, only: dict[str, list[str]] 
         columns=columns, depth=DEPTH in columns, rows=verdict,
         failed=[r["label"] for r in rows if r["role"] == "verdict" and not r["n"] and r["diverged"]],
         curves=[r for r in rows if r["role"] in ("verdict", "pending")], comparisons=comparisons, unpaired=unpaired,
-        compute=training_time(rows), only={"settings": only or {}, "left_out": left_out},
+        compute=training_time(rows), drift=time_drift(verdict), only={"settings": only or {}, "left_out": left_out},
         logger=next((r["config"]["logger"] for r in kept if isinstance(r["config"].get("logger"), dict)), {}))
 
 
@@ -351,6 +356,19 @@ def tuning_table(rows: list[dict], choice: dict, protocol: dict | None) -> list[
         labels.setdefault(variant_key(row["_runs"][0]["result"]["config"]), row["variant"])
     return [{"label": label, "lr": choice[key]["lr"], "missing": choice[key]["missing"], "grid": choice[key]["grid"],
              "by_lr": {value(lr): wer for lr, wer in choice[key]["by_lr"].items()}} for key, label in labels.items()]
+
+
+def time_drift(rows: list[dict]) -> list[dict]:
+    """The rows whose finished seeds' median epoch times differ by more than DRIFT (largest spread first):
+    the same work at different speeds, so the machine's speed changed between the runs, and time ratios
+    between rows made at different hours measure the hour as well as the variant."""
+    drifted = []
+    for row in rows:
+        times = [t for r in row["_finished"] if (t := r["result"].get("epoch_time_s"))]
+        if len(times) > 1 and min(times) >= DRIFT_MIN_S and max(times) > DRIFT * min(times):
+            drifted.append({"label": row["label"], "min_s": min(times), "max_s": max(times),
+                            "ratio": max(times) / min(times)})
+    return sorted(drifted, key=lambda d: -d["ratio"])
 
 
 def add_ratios(group: list[dict]) -> None:

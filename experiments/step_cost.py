@@ -12,7 +12,8 @@ each run's best.pt; --fresh adds each at a fresh initialisation (the run's seed)
 --phases times instead the training loop's step as train_epoch runs it, phase by phase: SpecAugment, the
 BN buffers' copy, forward + CTC, backward, gradient clipping and the AdamW step (each model with its own
 optimizer, at a rate of 0 so that the weights stay as trained), to find which part of an epoch depends on
-the variant.
+the variant. Left untimed, as the same for every variant: collating a batch, the rate's update, the
+finiteness checks and logging.
 
 Rounds interleave the models and both modes, so drift of the machine hits them alike; the figure is the
 median over rounds of the mean step time over the batches. Run it with nothing else on the machine.
@@ -28,6 +29,7 @@ from omegaconf import OmegaConf
 from batchrnn.checkpoint import load_model, model_of
 from batchrnn.config import Config
 from batchrnn.features import collate, make_batches
+from batchrnn.protocol import LR, settings
 from batchrnn.train import Run, ctc_loss
 
 PHASES = ("augment", "buffers", "forward", "backward", "clip", "optimizer")
@@ -44,9 +46,9 @@ def subnormal_share(model: torch.nn.Module) -> float:
     return subnormal / max(nonzero, 1)
 
 
-def step(model, ctc, batch) -> None:
+def step(model, ctc, batch, bf16: bool) -> None:
     model.zero_grad(set_to_none=True)
-    loss, _, _ = ctc_loss(model, ctc, *batch, bf16=False)
+    loss, _, _ = ctc_loss(model, ctc, *batch, bf16=bf16)
     loss.backward()
 
 
@@ -60,7 +62,7 @@ def phased_step(model, opt, run: Run, batch, clock: dict) -> None:
     marks = [t()]
     [b.clone() for b in model.buffers()]
     marks.append(t())
-    loss, _, _ = ctc_loss(model, run.ctc, x, x_lens, y, y_lens, bf16=False)
+    loss, _, _ = ctc_loss(model, run.ctc, x, x_lens, y, y_lens, run.bf16)
     opt.zero_grad(set_to_none=True)
     marks.append(t())
     loss.backward()
@@ -114,11 +116,15 @@ def main(argv: list[str] | None = None) -> None:
         if args.fresh:  # the same model at its seed's initialisation, as bench_rnn.py sees it
             torch.manual_seed(blob["config"]["seed"])
             models[name + " (fresh)"] = model_of(blob).train()
-    data = {name: blob["config"]["data"] for name, blob in blobs.items()}
-    first = next(iter(data))
-    if any(d != data[first] for d in data.values()):
-        parser.error("the runs read different data settings (data.*), so no batches fit them all; give runs of "
-                     "one preset")
+    # One preset's data and training settings (the rate aside): the same batches fit every model, and the
+    # step is each model's train_epoch step.
+    same = {name: {k: v for k, v in settings(blob["config"]).items() if k.split(".")[0] in ("data", "train") and k != LR}
+            for name, blob in blobs.items()}
+    first = next(iter(same))
+    for name, s in same.items():
+        if differ := sorted(k for k in s.keys() | same[first].keys() if s.get(k) != same[first].get(k)):
+            parser.error(f"{name} and {first} differ in {', '.join(differ)}: give runs of one preset, whose "
+                         "batches and training step are the same (train.lr aside)")
     # the data and loss once, from the first run's config: every model steps on the same batches
     run = Run(OmegaConf.merge(OmegaConf.structured(Config), blobs[first]["config"]))
     fs, ctc = run.sets["train"], run.ctc
@@ -134,10 +140,10 @@ def main(argv: list[str] | None = None) -> None:
         for name, model in models.items():
             for flush in (False, True):
                 torch.set_flush_denormal(flush)
-                step(model, ctc, batches[0])  # warm-up
+                step(model, ctc, batches[0], run.bf16)  # warm-up
                 start = time.perf_counter()
                 for batch in batches:
-                    step(model, ctc, batch)
+                    step(model, ctc, batch, run.bf16)
                 times[name, flush].append((time.perf_counter() - start) / len(batches))
                 if not flush:
                     share[name] = subnormal_share(model)

@@ -122,8 +122,10 @@ def test_step_cost_times_a_trained_model_and_its_fresh_twin_on_the_same_batches(
     with pytest.raises(SystemExit) as stop:
         step_cost.main([str(out), str(other)])
     assert stop.value.code == 2
-    assert "the runs read different data settings (data.*)" in capsys.readouterr().err
+    assert f"other and {out.name} differ in data.hop_ms: give runs of one preset" in capsys.readouterr().err
     step_cost.main([str(out), "--phases", "--batches", "1", "--rounds", "1"])
     head, row = capsys.readouterr().out.splitlines()[1:]
     assert head.split() == ["model", *step_cost.PHASES, "total"] and row.split()[0] == out.name
-    assert all(float(ms) >= 0 for ms in row.split()[1:]) and float(row.split()[-1]) > 0
+    ms = dict(zip(head.split()[1:], map(float, row.split()[1:])))
+    assert ms["forward"] > 0 and ms["backward"] > 0 and ms["optimizer"] > 0
+    assert sum(ms[p] for p in step_cost.PHASES) == pytest.approx(ms["total"], abs=0.1 * len(step_cost.PHASES))

@@ -194,9 +194,10 @@ def results_table(summary: Summary) -> list[str]:
     if summary.drift:
         spread = "; ".join(f"{d['label']}: {d['min_s']:.1f} to {d['max_s']:.1f} s" for d in summary.drift)
         lines += ["", f"Epoch times drifted: the seeds of {len(summary.drift)} setting{'s' * (len(summary.drift) > 1)} "
-                  f"did the same work at speeds up to {summary.drift[0]['ratio']:.2f}x apart ({spread}), so this "
-                  "machine's speed changed while the study ran, and the time column and its ratios mix the hour a "
-                  "run ran with the variant's cost; `make bench` measures the cost, interleaving the variants."]
+                  f"did the same work on one machine at speeds up to {summary.drift[0]['ratio']:.2f}x apart ({spread}), "
+                  "so its speed changed while the study ran, and the time column and its ratios mix when a run ran "
+                  "with the variant's cost, in every row (seeds that all ran in one slow spell agree, so no row is "
+                  "known to be clean); the cost is `make bench`'s (How to read)."]
     return lines
 
 

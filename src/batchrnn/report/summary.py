@@ -85,7 +85,7 @@ def build(sweep_dir: Path, now: float | None = None, only: dict[str, list[str]] 
     records, left_out = [run_record(r, now) for r in results], 0
     if only:
         check_filter(only, records)
-        kept_records = [run for run in records if selected(run["settings"], only)]
+        kept_records = [run for run in records if selected(config_settings(run), only)]
         left_out, records = len(records) - len(kept_records), kept_records
         if not records:
             raise FileNotFoundError(f"{sweep_dir}: no run has {shown(only)}")
@@ -137,11 +137,16 @@ class FilterError(ValueError):
 
 def check_filter(only: dict[str, list[str]], records: list[dict]) -> None:
     """Raises FilterError when `only` names a setting that no run has."""
-    known = set().union(*(run["settings"] for run in records))
+    known = set().union(*(config_settings(run) for run in records))
     unknown = sorted(k for k in only if k not in known)
     if unknown:
         raise FilterError(f"--only {unknown[0]}: not a setting of these runs; use a dotted name of the config, "
                          "e.g. model.bn, model.rnn, model.num_layers, train.lr")
+
+
+def config_settings(run: dict) -> dict:
+    """A run record's settings from its config, without what the report adds (COMPUTED)."""
+    return {k: v for k, v in run["settings"].items() if k != COMPUTED}
 
 
 def selected(s: dict, only: dict[str, list[str]]) -> bool:
@@ -359,15 +364,20 @@ def tuning_table(rows: list[dict], choice: dict, protocol: dict | None) -> list[
 
 
 def time_drift(rows: list[dict]) -> list[dict]:
-    """The rows whose finished seeds' median epoch times differ by more than DRIFT (largest spread first):
-    the same work at different speeds, so the machine's speed changed between the runs, and time ratios
-    between rows made at different hours measure the hour as well as the variant."""
+    """The rows whose finished seeds' median epoch times on one machine differ by more than DRIFT (largest
+    spread first): the same work at different speeds, so the machine's speed changed between the runs, and
+    time ratios between rows measure when a run ran as well as the variant. Only a setting's own seeds can
+    show it: seeds that all ran in one slow spell agree, and are not named."""
     drifted = []
     for row in rows:
-        times = [t for r in row["_finished"] if (t := r["result"].get("epoch_time_s"))]
-        if len(times) > 1 and min(times) >= DRIFT_MIN_S and max(times) > DRIFT * min(times):
-            drifted.append({"label": row["label"], "min_s": min(times), "max_s": max(times),
-                            "ratio": max(times) / min(times)})
+        by_machine = defaultdict(list)  # seeds run on different machines differ for another reason
+        for r in row["_finished"]:
+            if t := r["result"].get("epoch_time_s"):
+                by_machine[r["result"].get("machine")].append(t)
+        for times in by_machine.values():
+            if len(times) > 1 and min(times) >= DRIFT_MIN_S and max(times) > DRIFT * min(times):
+                drifted.append({"label": row["label"], "min_s": min(times), "max_s": max(times),
+                                "ratio": max(times) / min(times)})
     return sorted(drifted, key=lambda d: -d["ratio"])
 
 

@@ -280,8 +280,9 @@ def splits(summary: Summary) -> str:
 
 def speed(summary: Summary) -> list[str]:
     head = identity_head(summary)
-    lines = ["Each group's threshold is the highest of its variants' mean best validation WER, so every variant "
-             "reaches it on average. Epochs and training seconds (epoch times summed; validation is not timed) until "
+    lines = ["Each group's threshold is the highest of its variants' median best validation WER (over seeds: one "
+             "seed that failed to train does not loosen it for the group), so at least half of every variant's seeds "
+             "reach it. Epochs and training seconds (epoch times summed; validation is not timed) until "
              "validation WER first reached it, mean ± std over the seeds, diverged ones included. A seed that never "
              "reached it counts with the epochs and seconds it trained, so its row's mean is a lower bound (≥).", "",
              "| " + " | ".join(head + ["threshold val WER %", "reached", "epochs to threshold",

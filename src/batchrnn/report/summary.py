@@ -5,6 +5,7 @@ verdicts (quality at convergence, speed of convergence) and the head-to-head com
 import json
 import logging
 import math
+import statistics
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -395,10 +396,13 @@ def baseline(group: list[dict], bn: str) -> dict | None:
 
 def add_speed(group: list[dict]) -> None:
     """Speed of convergence: epochs and training seconds until validation WER first reaches the group's
-    threshold, the highest of its rows' mean best validation WER. A seed that never reaches it (or
-    diverged first) is censored: it counts with the epochs and seconds it trained, a lower bound, so the
-    row's mean is one too (`censored` > 0) and can lose a comparison but never win it (`faster`)."""
-    bests = [r["best_val_wer"] for r in group if not math.isnan(r["best_val_wer"])]
+    threshold, the highest of its rows' median best validation WER (median over seeds, so one seed that
+    failed to train does not loosen the threshold for the whole group; at least half of every row's
+    seeds reach it). A seed that never reaches it (or diverged first) is censored: it counts with the
+    epochs and seconds it trained, a lower bound, so the row's mean is one too (`censored` > 0) and can
+    lose a comparison but never win it (`faster`)."""
+    bests = [statistics.median(b) for r in group
+             if (b := [run["result"]["best_val_wer"] for run in r["_finished"] if run["result"].get("best_val_wer") is not None])]
     threshold = max(bests) if bests else math.nan
     for row in group:
         times, reached = [], 0

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from batchrnn.config import Config
 from batchrnn.report import write_report
 from batchrnn.report.__main__ import main
-from batchrnn.report.plots import DEPTH_PLOT
+from batchrnn.report.plots import DEPTH_PLOT, series
 from batchrnn.report.stats import first_reach, holm, paired_bootstrap, utterance_errors
 from batchrnn.report.summary import DRIFT
 
@@ -390,6 +390,18 @@ def test_speed_of_convergence_on_hand_made_curves(tmp_path):
     data = json.loads((tmp_path / "report.json").read_text())
     (c,) = data["comparisons"]
     assert c["speed_winner"] == "gru-seqwise" and not c["significant"]  # the same test errors: a tie in quality
+
+
+def test_a_stopped_seed_holds_its_last_value_in_the_validation_curve():
+    """Seeds stop at different epochs: a finished one keeps its last validation WER for the later epochs of
+    the others, so the plotted mean does not jump when a seed stops; a running one is not held."""
+    def run(status: str, wers: list[float]) -> dict:
+        return {"status": status, "epochs": [{"epoch": e, "val_wer": w} for e, w in enumerate(wers, 1)]}
+
+    row = {"_runs": [run("finished", [0.9, 0.8]), run("finished", [0.9, 0.3, 0.2, 0.1]), run("running", [1.0, 0.5, 0.4])]}
+    assert series(row, "val_wer", 100, hold=True) == (
+        [1, 2, 3, 4], [[90.0, 90.0, 100.0], [80.0, 30.0, 50.0], [20.0, 40.0, 80.0], [10.0, 80.0]])
+    assert series(row, "val_wer", 100)[1][3] == [10.0]  # without hold: the seeds that reached the epoch
 
 
 def test_one_failed_seed_does_not_loosen_the_speed_threshold(tmp_path):

@@ -21,7 +21,7 @@ def draw(summary: Summary, out_dir: Path) -> list[str]:
     if per_epoch(summary.curves, "val_wer", out_dir / "val_wer.png", summary.depth):
         drawn.append("val_wer.png")
     if summary.rows:
-        wer_vs_time(summary.rows, out_dir / "wer_vs_time.png")
+        wer_vs_time(summary.rows, out_dir / "wer_vs_time.png", drifted=bool(summary.drift))
         peak_mem(summary.rows, out_dir / "peak_mem.png")
         drawn += ["wer_vs_time.png", "peak_mem.png"]
     if per_epoch(summary.curves, "grad_norm", out_dir / "grad_norm.png", summary.depth):
@@ -82,8 +82,9 @@ def per_epoch(rows: list[dict], metric: str, path: Path, depth: bool) -> bool:
     for row in rows:
         ax, line = where[row["group"]], style(row)
         if metric == "val_wer":
-            # Mean over the seeds that reached each epoch (a running run has fewer), band: min-max.
-            epochs, values = series(row, "val_wer", 100)
+            # Mean over the seeds, band: min-max; a seed that stopped holds its last value to the row's last
+            # epoch, so the mean does not jump when one stops (a running run has fewer epochs, not held).
+            epochs, values = series(row, "val_wer", 100, hold=True)
             ax.plot(epochs, [np.mean(v) for v in values], label=row["name"], **line)
             if len(row["_runs"]) > 1:
                 ax.fill_between(epochs, [min(v) for v in values], [max(v) for v in values], alpha=0.15,
@@ -102,24 +103,34 @@ def per_epoch(rows: list[dict], metric: str, path: Path, depth: bool) -> bool:
             ax.legend(fontsize=8)
     for ax in axes[:, 0]:
         ax.set_ylabel("validation WER %" if metric == "val_wer" else "pre-clip gradient norm")
-    fig.suptitle("Validation WER per epoch (mean over seeds, band: min-max)" if metric == "val_wer" else
+    fig.suptitle("Validation WER per epoch (mean over seeds, band: min-max; a stopped seed holds its last value)"
+                 if metric == "val_wer" else
                  "Pre-clip gradient norm per epoch (solid: mean step, over seeds; dotted: largest step)", fontsize=11)
     save(fig, path)
     return True
 
 
-def series(row: dict, key: str, scale: float = 1.0) -> tuple[list[int], list[list[float]]]:
-    """(epochs, the values of each epoch over the row's runs) for one per-epoch metric."""
-    by_epoch = defaultdict(list)
-    for run in row["_runs"]:
+def series(row: dict, key: str, scale: float = 1.0, hold: bool = False) -> tuple[list[int], list[list[float]]]:
+    """(epochs, the values of each epoch over the row's runs) for one per-epoch metric. hold: a run that
+    stopped (finished or diverged) keeps its last value for every later epoch of the row's other runs."""
+    by_epoch, last = defaultdict(list), {}
+    for i, run in enumerate(row["_runs"]):
         for e in run["epochs"]:
             if e.get(key) is not None and e.get("epoch") is not None:
                 by_epoch[e["epoch"]].append(scale * e[key])
+                last[i] = (e["epoch"], scale * e[key])
     epochs = sorted(by_epoch)
+    if hold:
+        for i, (stopped_at, value) in last.items():
+            if row["_runs"][i]["status"] in ("finished", "diverged"):
+                for epoch in epochs:
+                    if epoch > stopped_at:
+                        by_epoch[epoch].append(value)
     return epochs, [by_epoch[e] for e in epochs]
 
 
-def wer_vs_time(rows: list[dict], path: Path) -> None:
+def wer_vs_time(rows: list[dict], path: Path, drifted: bool = False) -> None:
+    """drifted: the machine's speed changed while the study ran (Summary.drift), which the title says."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 5))
@@ -130,12 +141,15 @@ def wer_vs_time(rows: list[dict], path: Path) -> None:
         xerr, yerr = np.nan_to_num(row["epoch_time_s_std"]), np.nan_to_num(100 * row["test_wer_std"])
         ax.errorbar(x, y, xerr=xerr, yerr=yerr, marker=markers.get(row["rnn"], "^"), color=color, capsize=2,
                     elinewidth=0.8, markerfacecolor=color if row["impl"] == Impl.fused.value else "none")
-        ax.annotate(row["label"], (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+        ax.annotate(row["variant"], (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")  # its rate: the tables
     times = [r["epoch_time_s"] for r in rows if r["epoch_time_s"] > 0]
     if times and max(times) > 5 * min(times):  # the cells reference is tens of times slower than fused
         ax.set_xscale("log")
     ax.margins(x=0.15)  # room for the labels of the rightmost points
-    ax.set(xlabel="epoch time s", ylabel="test WER %", title="Test WER against epoch time (mean ± std)")
+    title = "Test WER against epoch time (mean ± std)"
+    if drifted:
+        title += "\nepoch times drifted during the study: not costs (report.md)"
+    ax.set(xlabel="epoch time s", ylabel="test WER %", title=title)
     ax.grid(alpha=0.3)
     save(fig, path)
 

@@ -23,7 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from batchrnn.config import ConfigError, Stage, register_configs, to_container, validate, with_device_preset
+from batchrnn.config import ConfigError, register_configs, to_container, validate, with_device_preset
 from batchrnn.errors import DIVERGED
 from batchrnn.sweep import job_threads, record_failed_job
 
@@ -52,23 +52,20 @@ def main(cfg: DictConfig) -> float:
     if cfg.train.threads == 0:  # the job's share of the cores, recorded in results.json
         cfg.train.threads = job_threads(HydraConfig.get().launcher, len(os.sched_getaffinity(0)))
     from batchrnn.data import DataError  # after validation: a bad value fails before torch loads
-    from batchrnn.protocol import ProtocolError, run_name, tuned_lr, variant_title, widened_lr
+    from batchrnn.protocol import ProtocolError, nothing_to_widen, run_name, stage_lr
     from batchrnn.rundir import RunError, RunFolder
     from batchrnn.train import TrainingDiverged, train
 
     hydra_cfg = HydraConfig.get()
     study_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        if cfg.protocol.stage is Stage.final:  # the rate the tuning stage chose for this variant
-            cfg.train.lr = tuned_lr(study_dir, to_container(cfg))
-        elif cfg.protocol.stage is Stage.widen:  # one more rate past the grid's edge, if its best lies there
-            config = to_container(cfg)
-            lr = widened_lr(study_dir, config)
-            if lr is None:
-                log.info("%s, seed %d: nothing to widen (its best rate lies inside its grid, every rate diverged, "
-                         "or the grid has widened protocol.widen times)", variant_title(config), cfg.seed)
-                return math.nan
-            cfg.train.lr = lr
+        # final: the rate the tuning stage chose for this variant; widen: one more past the grid's edge, if its
+        # best lies there
+        lr = stage_lr(study_dir, to_container(cfg))
+        if lr is None:
+            log.info("%s", nothing_to_widen(to_container(cfg)))
+            return math.nan
+        cfg.train.lr = lr
         folder = RunFolder(study_dir / run_name(to_container(cfg)))
     except ProtocolError as e:  # this variant's tuning is missing or all diverged: a sweep goes on with the others
         log.error("error: %s", e)

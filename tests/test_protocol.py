@@ -9,7 +9,7 @@ import pytest
 
 from batchrnn.config import ConfigError, to_container, validate
 from batchrnn.protocol import ProtocolError, choose_lrs, mismatch, run_name, setting_key, tuned_lr, variant_key
-from batchrnn.study import stages
+from batchrnn.study import Pool, expand, jobs, stages
 from batchrnn.rundir import RESULTS, read_study
 from conftest import ROOT
 
@@ -192,3 +192,81 @@ def test_study_refuses_a_bad_override_in_one_line_before_any_run(tmp_path, typed
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert run.returncode == 2 and "Traceback" not in run.stderr and run.stderr.startswith("error: ")
     assert message in run.stderr and not list(tmp_path.rglob(RESULTS))
+
+
+def bn(job):
+    return dict(o.split("=", 1) for o in job.variant)["model.bn"]
+
+
+class ScriptedPool(Pool):
+    """The study's scheduler with each job's run replaced by a short sleep that appends to a log when it
+    starts and ends: which jobs run at once, and in which order, without training anything."""
+
+    def __init__(self, plan, slots, log, seconds, failing=None):
+        super().__init__(plan, slots, Path("unused"), 0)
+        self.log, self.seconds, self.failing = log, seconds, failing
+
+    def settle(self, job):
+        return None
+
+    def command(self, job):
+        name = f"{bn(job)}:{job.stage}:" + ",".join(o for o in job.overrides if o.startswith(("train.lr=", "seed=")))
+        script = (f"import sys, time; open({str(self.log)!r}, 'a').write('start {name}\\n'); "
+                  f"time.sleep({self.seconds(job)}); open({str(self.log)!r}, 'a').write('end {name}\\n'); "
+                  f"sys.exit({2 if job is self.failing else 0})")
+        return [sys.executable, "-c", script]
+
+
+def test_the_study_starts_a_job_when_its_own_variant_is_ready_not_when_a_stage_ends(tmp_path):
+    """Two variants, two slots: slow's long tuning run does not hold back fast's widening and seeds, and no
+    job starts before its variant's earlier stages have ended."""
+    plan = jobs(["experiment=smoke", "model.bn=none,post", "protocol.lrs=[1e-3,2e-3,4e-3]", "protocol.widen=1",
+                 "protocol.seeds=[1,2]"])
+    assert [(j.stage, bn(j)) for j in plan][:3] == [("tune", "none")] * 3
+    assert len(plan) == 2 * (3 + 1 + 2) and len({j.variant for j in plan}) == 2
+    log = tmp_path / "log"
+    slow = lambda job: 3 if bn(job) == "none" and "train.lr=0.004" in job.overrides else 0.1  # noqa: E731
+    assert ScriptedPool(plan, 2, log, slow).run() == 0
+    events = log.read_text().splitlines()
+    assert len(events) == 2 * len(plan)
+    slow_end = events.index("end none:tune:train.lr=0.004,seed=1")
+    # every job of post ended while none's last tuning run was still going
+    assert all(events.index(f"end post:{name}") < slow_end
+               for name in ("tune:train.lr=0.004,seed=1", "widen:seed=1", "final:seed=2"))
+    for variant in ("none", "post"):
+        mine = [e.split(":", 1)[1] for e in events if e.split()[1].startswith(variant + ":")]
+        last_tune_end = max(i for i, e in enumerate(mine) if e.startswith("tune"))
+        first_widen = min(i for i, e in enumerate(mine) if e.startswith("widen"))
+        assert last_tune_end < first_widen  # the variant's own stage order holds
+    running, most = 0, 0
+    for e in events:
+        running += 1 if e.startswith("start") else -1
+        most = max(most, running)
+    assert most == 2  # never more than the slots
+
+
+def test_a_failed_run_leaves_the_others_going_and_the_status_says_so(tmp_path):
+    plan = jobs(["experiment=smoke", "model.bn=none,post", "protocol.lrs=[1e-3,2e-3]", "protocol.seeds=[1,2]"])
+    log = tmp_path / "log"
+    assert ScriptedPool(plan, 1, log, lambda job: 0, failing=plan[0]).run() == 2
+    assert log.read_text().count("end") == len(plan)  # every job ran, the failed one's variant's too
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model.num_layers=1,3", "model.bn=none,seqwise", "experiment=smoke", "train.lr=1e-3,2e-3", "seed=1",
+     "model.bn=none,post,input"],  # a key given twice: its last values, in its first place
+    ["seed=1", "+model.extra=[1,2]", "hydra/launcher=parallel", "seed=2,3"],
+])
+def test_a_study_expands_its_sweeps_into_the_jobs_hydra_would_run(overrides):
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper  # the reference only: a private API
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    assert expand(overrides) == BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None)[0]
+
+
+def test_a_study_refuses_a_bad_value_anywhere_in_its_sweep_before_any_run(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "batchrnn.study", "experiment=smoke", f"hydra.sweep.dir={tmp_path}",
+                          "model.bn=none,postt", "protocol.lrs=[1e-3]"], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT)
+    assert run.returncode == 2 and run.stderr.startswith("error: ") and "postt" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and not list(tmp_path.rglob(RESULTS))

@@ -206,3 +206,20 @@ def tuned_lr(study_dir, config: dict) -> float:
             f"unfinished (lr, seed) {missing}; run the tuning stages first (python -m batchrnn.study runs them all: "
             "tune, then widen for a rate past the grid's edge)")
     return choice["lr"]
+
+
+def stage_lr(study_dir, config: dict) -> float | None:
+    """The rate a run of its protocol.stage trains at: train.lr as given (no stage, or tune), the rate the tuning
+    chose (final), the next one past the grid's edge (widen; None when there is nothing to widen). Raises
+    ProtocolError while the tuning it needs is missing."""
+    stage = config["protocol"]["stage"]
+    if stage == "final":
+        return tuned_lr(study_dir, config)
+    if stage == "widen":
+        return widened_lr(study_dir, config)
+    return config["train"]["lr"]
+
+
+def nothing_to_widen(config: dict) -> str:
+    return (f"{variant_title(config)}, seed {config['seed']}: nothing to widen (its best rate lies inside its grid, "
+            "every rate diverged, or the grid has widened protocol.widen times)")

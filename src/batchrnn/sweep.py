@@ -18,16 +18,24 @@ from batchrnn.errors import worst
 FAILED_DIR = ".failed_jobs"  # in the sweep folder: one file per failed job, named by job number, holding its status
 
 
+def jobs_at_once(launcher: DictConfig, cores: int) -> int | None:
+    """How many jobs a local launcher runs at once: joblib's n_jobs (-1: one per core, -2: every core but one),
+    the basic launcher's one; None for a cluster launcher (submitit), whose jobs do not share these cores."""
+    target = str(launcher.get("_target_", ""))
+    if target.endswith("JoblibLauncher"):
+        n = launcher.get("n_jobs") or 1
+        return max(1, cores + 1 + n if n < 0 else n)
+    return 1 if target.endswith("BasicLauncher") else None
+
+
 def job_threads(launcher: DictConfig, cores: int) -> int:
     """torch threads for one job when train.threads=0: the cores shared among the jobs that run at once.
 
-    joblib runs n_jobs at once (-1: one per core), so each gets cores // n_jobs; submitit gets the
-    cpus_per_task it asked for; the basic launcher runs one job at a time and keeps torch's default (0).
+    joblib runs n_jobs at once, so each gets cores // n_jobs; submitit gets the cpus_per_task it asked for;
+    the basic launcher runs one job at a time and keeps torch's default (0).
     """
     if str(launcher.get("_target_", "")).endswith("JoblibLauncher"):
-        n = launcher.get("n_jobs") or 1
-        at_once = cores + 1 + n if n < 0 else n  # joblib's convention: -2 is every core but one
-        return max(1, cores // max(1, at_once))
+        return max(1, cores // jobs_at_once(launcher, cores))
     return launcher.get("cpus_per_task") or 0
 
 

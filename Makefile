@@ -32,7 +32,7 @@ reproduce-depth: $(STAMP) ## DS2 Table 1's design: 1,3,5,7 layers x none,seqwise
 reproduce-norms: $(STAMP) ## layer and weight norm (ln, wn, ln_full) beside the grid, same protocol and folder
 	bash experiments/reproduce_an4.sh norms $(ARGS)
 
-studies: $(STAMP) ## every protocol study in turn, resumable: the grid, the depth study, the normalisations
+studies: $(STAMP) ## every protocol study as one schedule, resumable: the grid, the depth study, the normalisations
 	bash experiments/reproduce_an4.sh all $(ARGS)
 
 report: $(STAMP) ## rebuild report.md and plots from a sweep folder: make report SWEEP=runs/an4_cpu [ARGS=--wandb]

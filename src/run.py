@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 
 from batchrnn.config import ConfigError, register_configs, to_container, validate, with_device_preset
 from batchrnn.errors import DIVERGED
-from batchrnn.sweep import job_threads, record_failed_job
+from batchrnn.sweep import job_threads, record_failed_job, record_stop
 
 register_configs()
 log = logging.getLogger("batchrnn")
@@ -48,6 +48,7 @@ def main(cfg: DictConfig) -> float:
         validate(cfg)
     except ConfigError as e:
         log.error("error: %s", e)
+        record_stop(str(e))
         sys.exit(2)
     if cfg.train.threads == 0:  # the job's share of the cores, recorded in results.json
         cfg.train.threads = job_threads(HydraConfig.get().launcher, len(os.sched_getaffinity(0)))
@@ -78,6 +79,7 @@ def main(cfg: DictConfig) -> float:
             results = train(cfg, folder.path, hydra_cfg.runtime.choices.get("experiment"))
         except (ConfigError, DataError) as e:  # every later job of a sweep would meet it too: stop here
             log.error("error: %s", e)
+            record_stop(str(e))
             sys.exit(2)
         except (RunError, TrainingDiverged) as e:  # this run's own trouble: a sweep goes on with the next job
             log.error("error: %s: %s", folder.path, e)

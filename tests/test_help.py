@@ -37,28 +37,48 @@ def test_study_script_refuses_an_unknown_study_in_one_line():
 
 
 FAKE_PYTHON = """#!/usr/bin/env bash
-# stands in for .venv/bin/python: the preset for -c, nothing to prepare, and each study's exit status from $EXIT
+# stands in for .venv/bin/python: the preset for -c, each data preparation and the study call written to $RAN
 case "$*" in
-  -c*) echo experiment=an4_cpu ;;
-  *batchrnn.study*)
-    study=grid; [[ "$*" == *an4_depth* ]] && study=depth; [[ "$*" == *ln,wn* ]] && study=norms
-    echo "$study" >> "$RAN"; code="${EXIT#*$study=}"; exit "${code%%,*}" ;;
+  -c*) echo an4_cpu ;;
+  *batchrnn.data*) echo "data $*" >> "$RAN" ;;
+  *batchrnn.study*) echo "study $*" >> "$RAN"; exit "$EXIT" ;;
 esac
 """
 
 
-@pytest.mark.parametrize("exits,ran,status", [
-    ("grid=0,depth=0,norms=0,", ["grid", "depth", "norms"], 0),
-    ("grid=3,depth=0,norms=0,", ["grid", "depth", "norms"], 3),  # some runs diverged: counted, not a stop
-    ("grid=0,depth=2,norms=3,", ["grid", "depth", "norms"], 2),  # a variant with no rate: its report says so
-    ("grid=0,depth=143,norms=0,", ["grid", "depth"], 143)])  # a signal or a crash stops them all
-def test_make_studies_goes_on_after_a_study_that_ended_with_2_or_3(tmp_path, exits, ran, status):
+@pytest.fixture
+def fake_venv(tmp_path):
     (tmp_path / "experiments").mkdir()
     (tmp_path / "experiments" / "reproduce_an4.sh").write_text((ROOT / "experiments" / "reproduce_an4.sh").read_text())
     (tmp_path / ".venv" / "bin").mkdir(parents=True)
     (tmp_path / ".venv" / "bin" / "python").write_text(FAKE_PYTHON)
     (tmp_path / ".venv" / "bin" / "python").chmod(0o755)
-    done = subprocess.run(["bash", str(tmp_path / "experiments" / "reproduce_an4.sh"), "all"], capture_output=True,
-                          text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "EXIT": exits, "RAN": str(tmp_path / "ran")})
-    assert done.returncode == status, done.stderr
-    assert (tmp_path / "ran").read_text().split() == ran
+
+    def run(*args, exit_status=0):
+        done = subprocess.run(["bash", str(tmp_path / "experiments" / "reproduce_an4.sh"), *args], capture_output=True,
+                              text=True, timeout=60,
+                              env={"PATH": "/usr/bin:/bin", "EXIT": str(exit_status), "RAN": str(tmp_path / "ran")})
+        return done.returncode, (tmp_path / "ran").read_text().splitlines()
+
+    return run
+
+
+def test_make_studies_is_one_schedule_of_the_three_studies_in_order(fake_venv):
+    """grid, then depth, then norms, joined by `then` in one study call (so the later studies fill the slots the
+    earlier leave free, and a study that ends with 2 or 3 does not stop the next), each with the extra
+    overrides; each preset's data prepared once before; the study's exit status is the script's."""
+    code, ran = fake_venv("all", "hydra/launcher=parallel", exit_status=3)
+    assert code == 3
+    *data, study = ran
+    assert data == ["data -m batchrnn.data --preset an4_cpu --root data --features",
+                    "data -m batchrnn.data --preset an4_depth --root data --features"]
+    groups = study.removeprefix("study -m batchrnn.study ").removesuffix(" --wandb").split(" then ")
+    assert groups == ["experiment=an4_cpu model.rnn=gru,lstm model.bn=none,post,input,skip,seqwise hydra/launcher=parallel",
+                      "experiment=an4_depth hydra/launcher=parallel",
+                      "experiment=an4_cpu model.rnn=gru,lstm model.bn=ln,wn,ln_full hydra/launcher=parallel"]
+
+
+def test_one_study_is_one_group(fake_venv):
+    code, ran = fake_venv("depth")
+    assert code == 0 and ran == ["data -m batchrnn.data --preset an4_depth --root data --features",
+                                 "study -m batchrnn.study experiment=an4_depth --wandb"]

@@ -9,7 +9,7 @@ import pytest
 
 from batchrnn.config import ConfigError, to_container, validate
 from batchrnn.protocol import ProtocolError, choose_lrs, mismatch, run_name, setting_key, tuned_lr, variant_key
-from batchrnn.study import Pool, expand, jobs, stages
+from batchrnn.study import Pool, expand, jobs, split_studies, stages
 from batchrnn.rundir import RESULTS, read_study
 from conftest import ROOT
 
@@ -195,25 +195,32 @@ def test_study_refuses_a_bad_override_in_one_line_before_any_run(tmp_path, typed
 
 
 def bn(job):
-    return dict(o.split("=", 1) for o in job.variant)["model.bn"]
+    return job.cfg.model.bn.value
 
 
 class ScriptedPool(Pool):
-    """The study's scheduler with each job's run replaced by a short sleep that appends to a log when it
-    starts and ends: which jobs run at once, and in which order, without training anything."""
+    """The study's scheduler with each job's run replaced by a script that appends to a log when it starts
+    and ends: which jobs run at once, and in which order, without training anything. The job `holds` names
+    waits (at most 60 s) until the log has `until` lines with the given text, so a test does not hang on
+    timing: a scheduler that never lets those jobs run beside it fails the test's order checks."""
 
-    def __init__(self, plan, slots, log, seconds, failing=None):
-        super().__init__(plan, slots, Path("unused"), 0)
-        self.log, self.seconds, self.failing = log, seconds, failing
+    def __init__(self, plan, slots, log, holds=lambda job: False, until=("", 0), exits=lambda job: 0, stops=None):
+        super().__init__(plan, slots, 0)
+        self.log, self.holds, self.until, self.exits, self.stops = log, holds, until, exits, stops
 
     def settle(self, job):
         return None
 
     def command(self, job):
-        name = f"{bn(job)}:{job.stage}:" + ",".join(o for o in job.overrides if o.startswith(("train.lr=", "seed=")))
-        script = (f"import sys, time; open({str(self.log)!r}, 'a').write('start {name}\\n'); "
-                  f"time.sleep({self.seconds(job)}); open({str(self.log)!r}, 'a').write('end {name}\\n'); "
-                  f"sys.exit({2 if job is self.failing else 0})")
+        name = f"{job.study_dir.name}/{bn(job)}:{job.stage}:" + ",".join(o for o in job.overrides
+                                                                          if o.startswith(("train.lr=", "seed=")))
+        text, count = self.until if self.holds(job) else ("", 0)
+        script = (f"import sys, time\nlog = {str(self.log)!r}\nopen(log, 'a').write('start {name}\\n')\n"
+                  f"end = time.monotonic() + 60\n"
+                  f"while open(log).read().count({text!r}) < {count} and time.monotonic() < end: time.sleep(0.05)\n"
+                  f"open(log, 'a').write('end {name}\\n')\n"
+                  + ("import os\nopen(os.environ['BATCHRNN_STOP_FILE'], 'w').write('no corpus')\n" * (job is self.stops))
+                  + f"sys.exit({self.exits(job)})")
         return [sys.executable, "-c", script]
 
 
@@ -225,19 +232,18 @@ def test_the_study_starts_a_job_when_its_own_variant_is_ready_not_when_a_stage_e
     assert [(j.stage, bn(j)) for j in plan][:3] == [("tune", "none")] * 3
     assert len(plan) == 2 * (3 + 1 + 2) and len({j.variant for j in plan}) == 2
     log = tmp_path / "log"
-    slow = lambda job: 3 if bn(job) == "none" and "train.lr=0.004" in job.overrides else 0.1  # noqa: E731
-    assert ScriptedPool(plan, 2, log, slow).run() == 0
+    slow = lambda job: bn(job) == "none" and "train.lr=0.004" in job.overrides  # noqa: E731
+    assert ScriptedPool(plan, 2, log, slow, until=("end smoke/post", 6)).run() == 0  # post's 6 jobs
     events = log.read_text().splitlines()
     assert len(events) == 2 * len(plan)
-    slow_end = events.index("end none:tune:train.lr=0.004,seed=1")
+    slow_end = events.index("end smoke/none:tune:train.lr=0.004,seed=1")
     # every job of post ended while none's last tuning run was still going
-    assert all(events.index(f"end post:{name}") < slow_end
+    assert all(events.index(f"end smoke/post:{name}") < slow_end
                for name in ("tune:train.lr=0.004,seed=1", "widen:seed=1", "final:seed=2"))
     for variant in ("none", "post"):
-        mine = [e.split(":", 1)[1] for e in events if e.split()[1].startswith(variant + ":")]
-        last_tune_end = max(i for i, e in enumerate(mine) if e.startswith("tune"))
-        first_widen = min(i for i, e in enumerate(mine) if e.startswith("widen"))
-        assert last_tune_end < first_widen  # the variant's own stage order holds
+        mine = [e.split(":", 1)[1] for e in events if e.split()[1].startswith(f"smoke/{variant}:")]
+        at = lambda stage, pick: pick(i for i, e in enumerate(mine) if e.startswith(stage))  # noqa: E731
+        assert at("tune", max) < at("widen", min) and at("widen", max) < at("final", min)  # its own stages in order
     running, most = 0, 0
     for e in events:
         running += 1 if e.startswith("start") else -1
@@ -248,7 +254,7 @@ def test_the_study_starts_a_job_when_its_own_variant_is_ready_not_when_a_stage_e
 def test_a_failed_run_leaves_the_others_going_and_the_status_says_so(tmp_path):
     plan = jobs(["experiment=smoke", "model.bn=none,post", "protocol.lrs=[1e-3,2e-3]", "protocol.seeds=[1,2]"])
     log = tmp_path / "log"
-    assert ScriptedPool(plan, 1, log, lambda job: 0, failing=plan[0]).run() == 2
+    assert ScriptedPool(plan, 1, log, exits=lambda job: 2 if job is plan[0] else 0).run() == 2
     assert log.read_text().count("end") == len(plan)  # every job ran, the failed one's variant's too
 
 
@@ -270,3 +276,59 @@ def test_a_study_refuses_a_bad_value_anywhere_in_its_sweep_before_any_run(tmp_pa
                          cwd=ROOT)
     assert run.returncode == 2 and run.stderr.startswith("error: ") and "postt" in run.stderr, run.stderr
     assert "Traceback" not in run.stderr and not list(tmp_path.rglob(RESULTS))
+
+
+def test_studies_joined_by_then_share_one_schedule_and_each_gets_its_report_when_its_runs_end(tmp_path):
+    first = jobs(["experiment=smoke", f"hydra.sweep.dir={tmp_path / 'a'}", "protocol.lrs=[1e-3,2e-3]"])
+    # other variants: a variant of two studies (the depth study's 3 layers, the grid's) keeps its stage order
+    second = jobs(["experiment=smoke", f"hydra.sweep.dir={tmp_path / 'b'}", "model.bn=post,input", "protocol.lrs=[1e-3,2e-3]"])
+    log, reports = tmp_path / "log", []
+    slow = lambda job: job.study_dir.name == "a" and "train.lr=0.002" in job.overrides  # noqa: E731
+    pool = ScriptedPool(first + second, 2, log, slow, until=("end b/", len(second)))
+    pool.report = lambda study_dir: reports.append(study_dir.name) or 0
+    assert pool.run() == 0
+    events = log.read_text().splitlines()
+    assert sorted(events[:2]) == ["start a/none:tune:train.lr=0.001,seed=1", "start a/none:tune:train.lr=0.002,seed=1"]
+    # the second study ran in the slot the first's long tuning run left free, and was reported first
+    assert events.index("end a/none:tune:train.lr=0.002,seed=1") > max(i for i, e in enumerate(events) if "b/" in e)
+    assert events[-1].startswith("end a/none:final:") and reports == ["b", "a"]
+    assert sum(e.startswith("start") for e in events) == len(first) + len(second)
+
+
+@pytest.mark.parametrize("argv", [["then", "experiment=smoke"], ["experiment=smoke", "then"],
+                                  ["experiment=smoke", "then", "then", "experiment=smoke"]])
+def test_then_needs_a_study_on_each_side(argv, capsys):
+    with pytest.raises(SystemExit) as stop:
+        split_studies(argv)
+    assert stop.value.code == 2 and "`then` joins two studies" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("why", ["crash", "stop"])
+def test_a_crash_or_an_error_every_run_would_meet_starts_no_more_runs(tmp_path, why):
+    """A run that crashed (exit 1) or stopped on bad settings or a missing corpus (src/run.py's record_stop,
+    exit 2): the runs already going finish, no other starts, and the status is that run's."""
+    plan = jobs(["experiment=smoke", "model.bn=none,post", "protocol.lrs=[1e-3,2e-3]"])
+    log, first = tmp_path / "log", plan[0]
+    pool = ScriptedPool(plan, 1, log, exits=lambda job: (1 if why == "crash" else 2) if job is first else 0,
+                        stops=first if why == "stop" else None)
+    assert pool.run() == (1 if why == "crash" else 2)
+    assert log.read_text().count("start") == 1 and not pool.stop_file.parent.exists()
+
+
+def test_a_studys_jobs_put_its_presets_sweep_first_as_hydra_does():
+    plan = jobs(["experiment=an4_depth", "model.bn=seqwise"])  # the command line's bn replaces the preset's
+    assert plan[0].overrides[:3] == ["model.num_layers=1", "model.bn=seqwise", "experiment=an4_depth"]
+    assert len({j.variant for j in plan}) == 4 and len(plan) == 4 * (3 + 2 + 3)
+
+
+def test_a_variant_in_two_studies_keeps_its_stage_order_across_them(tmp_path):
+    """The depth study's 3-layer runs are the grid's (protocol.reuse_from): its seeds wait for the grid's tuning."""
+    grid = jobs(["experiment=smoke", f"hydra.sweep.dir={tmp_path / 'grid'}", "protocol.lrs=[1e-3,2e-3]"])
+    depth = jobs(["experiment=smoke", f"hydra.sweep.dir={tmp_path / 'depth'}", "protocol.lrs=[1e-3,2e-3]"])
+    pool = Pool(grid + depth, 2, 0)
+    final = next(j for j in depth if j.stage == "final")
+    assert not pool.ready(final)
+    pool.ended |= {id(j) for j in depth if j.stage == "tune"}
+    assert not pool.ready(final)  # the grid's tuning of the same variant is not over
+    pool.ended |= {id(j) for j in grid if j.stage == "tune"}
+    assert pool.ready(final)

@@ -1,6 +1,10 @@
 """A study under the fair protocol, in one resumable command: tune each variant's rate, then its seeds.
 
     python -m batchrnn.study experiment=an4_cpu model.rnn=gru,lstm model.bn=none,input,seqwise [--wandb]
+    python -m batchrnn.study experiment=an4_depth then experiment=an4_cpu model.bn=ln,wn   # two studies
+
+Several studies joined by `then` share one schedule: the first one's runs go first, and a later one's fill
+the slots that the first leaves free; each study's report is written as soon as its own runs have ended.
 
 Stage tune sweeps every variant over protocol.lrs with protocol.tune_seeds; stage widen (protocol.widen
 times) tunes each variant whose best rate is an edge of its grid at one rate past it; stage final runs
@@ -15,9 +19,11 @@ import argparse
 import itertools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +37,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from batchrnn.config import ConfigError, register_configs, to_container, validate, with_device_preset
 from batchrnn.errors import DIVERGED, one_line, worst
-from batchrnn.protocol import LR, SEED, ProtocolError, can_widen, mismatch, nothing_to_widen, run_name, stage_lr
-from batchrnn.rundir import RESULTS
-from batchrnn.sweep import job_threads, jobs_at_once
+from batchrnn.protocol import (ProtocolError, can_widen, mismatch, nothing_to_widen, run_name, stage_lr,
+                               variant_key)
+from batchrnn.sweep import STOP_FILE, job_threads, jobs_at_once
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = [sys.executable, str(ROOT / "src" / "run.py"), "-m"]
@@ -85,16 +91,14 @@ def exit_status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-PER_RUN = (SEED, LR, "protocol.stage")  # what a stage sets for each run; the rest of a job's overrides is its variant
-
-
 @dataclass
 class Job:
     stage: str  # the stage's name: tune, widen [i], final
     rank: int  # the stage's place: a job waits until its variant's jobs of lower rank have ended
-    variant: tuple[str, ...]  # the job's overrides but PER_RUN: what the rate is chosen for
+    variant: str  # what the rate is chosen for (protocol.variant_key): every setting but the seed and the rate
     overrides: list[str]  # one run's, as a sweep of the stage would give that job
     cfg: DictConfig  # composed from them and validated, before any job runs
+    study_dir: Path  # the study's folder, where the run's own folder goes
 
 
 def expand(overrides: list[str]) -> list[list[str]]:
@@ -104,7 +108,7 @@ def expand(overrides: list[str]) -> list[list[str]]:
     for o in OverridesParser.create().parse_overrides(overrides):
         key = o.get_key_element()
         if o.is_sweep_override() and not o.is_discrete_sweep():
-            raise HydraException(f"{o.input_line}: a study sweeps lists of values only (a,b,c), not ranges or intervals")
+            raise HydraException(f"{o.input_line}: a study sweeps lists and ranges only (a,b,c or range(...)), not intervals")
         by_key[key] = ([f"{key}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
                        else [f"{key}={o.get_value_element_as_str()}"])
     return [list(job) for job in itertools.product(*by_key.values())]
@@ -114,25 +118,27 @@ def jobs(overrides: list[str]) -> list[Job]:
     """Every job of every stage, in the order the stages' sweeps would run them: each stage's overrides
     (and the preset's hydra.sweeper.params, before them as Hydra puts them) expanded as Hydra's sweeper does.
     Each is composed and validated here, so a bad value anywhere in a sweep stops the study before any run."""
-    params = composed(overrides).hydra.sweeper.params or {}
+    study = composed(overrides).hydra
+    params, study_dir = study.sweeper.params or {}, Path(study.sweep.dir)
     swept = [f"{key}={value}" for key, value in params.items()]
     out, plan = [], stages(overrides)
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         for rank, (stage, args) in enumerate(plan):
-            for job in expand(swept + args):
-                try:
+            try:
+                for job in expand(swept + args):
                     cfg = compose(config_name="config", overrides=job)
                     validate(cfg)
-                except (HydraException, OmegaConfBaseException, ConfigError) as e:
-                    print(f"error: {one_line(e)}", file=sys.stderr)
-                    sys.exit(2)
-                variant = tuple(o for o in job if o.split("=", 1)[0].lstrip("+~") not in PER_RUN)
-                out.append(Job(stage, rank, variant, job, cfg))
+                    out.append(Job(stage, rank, variant_key(to_container(cfg)), job, cfg, study_dir))
+            except (HydraException, OmegaConfBaseException, ConfigError) as e:
+                print(f"error: {one_line(e)}", file=sys.stderr)
+                sys.exit(2)
     return out
 
 
 def finished(path: Path, config: dict) -> bool:
     """The run in `path` is finished with these settings (any other case, src/run.py handles and explains)."""
+    from batchrnn.rundir import RESULTS  # torch, which a refused override need not wait for
+
     try:
         done = json.loads((path / RESULTS).read_text())
         return done.get("status") == "finished" and not mismatch(done["config"], config)
@@ -142,13 +148,15 @@ def finished(path: Path, config: dict) -> bool:
 
 class Pool:
     """The study's runs on a local machine, `slots` at once: each job starts when a slot is free and its
-    variant's earlier stages have ended. A job that needs no training (finished, nothing to widen, no rate
-    to take) is settled here without a process; the others run as `src/run.py` with the job's overrides."""
+    variant's earlier stages have ended, earlier jobs of the plan first. A job that needs no training
+    (finished, nothing to widen, no rate to take) is settled here without a process; the others run as
+    `src/run.py` with the job's overrides. Each study folder's report is made once its jobs have ended."""
 
-    def __init__(self, plan: list[Job], slots: int, study_dir: Path, threads: int):
-        self.plan, self.slots, self.study_dir, self.threads = plan, slots, study_dir, threads
+    def __init__(self, plan: list[Job], slots: int, threads: int, report=None):
+        self.plan, self.slots, self.threads, self.report = plan, slots, threads, report or (lambda study_dir: 0)
         self.pending, self.running, self.ended = list(plan), {}, set()  # running: Popen -> job; ended: ids
         self.status, self.trained, self.settled, self.stopped = 0, 0, 0, None
+        self.stop_file = Path(tempfile.mkdtemp(prefix="batchrnn-study-")) / "stop"  # a run's record_stop writes it
 
     def ready(self, job: Job) -> bool:
         return all(id(o) in self.ended for o in self.plan if o.variant == job.variant and o.rank < job.rank)
@@ -157,7 +165,7 @@ class Pool:
         """The job's exit status when it needs no process, else None. Mirrors src/run.py's choice of rate."""
         config = to_container(job.cfg)
         try:
-            lr = stage_lr(self.study_dir, config)
+            lr = stage_lr(job.study_dir, config)
         except ProtocolError as e:  # this variant alone has no rate: the others go on, the status says so
             print(f"error: {e}", file=sys.stderr, flush=True)
             return 2
@@ -165,91 +173,139 @@ class Pool:
             print(f"study: {nothing_to_widen(config)}", flush=True)
             return 0
         config["train"]["lr"] = lr
-        path = self.study_dir / run_name(config)
+        path = job.study_dir / run_name(config)
         if not job.cfg.train.rerun and finished(path, config):
             print(f"study: {path} is finished; train.rerun=true runs it again", flush=True)
             return 0
         return None
 
     def command(self, job: Job) -> list[str]:
-        threads = [f"train.threads={self.threads}"] if self.threads else []
-        return [sys.executable, str(ROOT / "src" / "run.py"), *job.overrides, f"hydra.run.dir={self.study_dir}", *threads]
+        threads = [f"train.threads={self.threads}"] if self.threads and not job.cfg.train.threads else []
+        # the child resolves the study's folder from its own overrides, as a sweep's job would
+        return [sys.executable, str(ROOT / "src" / "run.py"), *job.overrides, "hydra.run.dir=${hydra.sweep.dir}", *threads]
 
     def start(self, job: Job) -> None:
         print(f"study: stage {job.stage}: src/run.py {' '.join(job.overrides)}", flush=True)
-        self.running[subprocess.Popen(self.command(job))] = job
+        self.running[subprocess.Popen(self.command(job), env=os.environ | {STOP_FILE: str(self.stop_file)})] = job
 
     def end(self, job: Job, code: int) -> None:
         self.ended.add(id(job))
         self.status = worst(self.status, code)
-        if code not in (0, 2, DIVERGED) and self.stopped is None:  # a crash or a signal: start nothing more
+        if self.stopped is None and self.stop_file.exists():  # bad settings or no corpus: every run would fail
+            self.stopped = code
+            print(f"study: starting no more runs: every one would stop on the error above "
+                  f"({self.stop_file.read_text().strip()})", file=sys.stderr, flush=True)
+        elif code not in (0, 2, DIVERGED) and self.stopped is None:  # a crash or a signal: start nothing more
             self.stopped = code
             print(f"study: a run ended with exit status {code}; starting no more runs, waiting for the others",
                   file=sys.stderr, flush=True)
+        if self.stopped is None and all(id(o) in self.ended for o in self.plan if o.study_dir == job.study_dir):
+            self.status = worst(self.status, self.report(job.study_dir))
+
+    def step(self) -> None:
+        """Starts (or settles) every ready job that a free slot allows, then collects the runs that ended."""
+        for job in [j for j in self.pending if self.ready(j)]:
+            if self.stopped is not None or len(self.running) >= self.slots:
+                break
+            self.pending.remove(job)
+            code = self.settle(job)
+            if code is None:
+                self.start(job)
+                self.trained += 1
+            else:
+                self.end(job, code)
+                self.settled += 1
+        time.sleep(0.5 if self.running else 0)
+        for child, job in list(self.running.items()):
+            if child.poll() is not None:
+                del self.running[child]
+                self.end(job, exit_status(child.returncode))
 
     def run(self) -> int:
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        """Every job of the plan, or until a run crashes; the worst exit status (errors.worst)."""
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         try:
-            while self.pending or self.running:
-                for job in [j for j in self.pending if self.ready(j)]:
-                    if self.stopped is not None or len(self.running) >= self.slots:
-                        break
-                    self.pending.remove(job)
-                    code = self.settle(job)
-                    if code is None:
-                        self.start(job)
-                        self.trained += 1
-                    else:
-                        self.end(job, code)
-                        self.settled += 1
-                if self.stopped is not None and not self.running:
-                    break
-                time.sleep(0.5 if self.running else 0)
-                for child, job in list(self.running.items()):
-                    if child.poll() is not None:
-                        del self.running[child]
-                        self.end(job, exit_status(child.returncode))
-        except (KeyboardInterrupt, SystemExit) as e:  # Ctrl-C or SIGTERM: every run stops at its last epoch
-            for child in self.running:
-                child.send_signal(signal.SIGTERM)
-            for child in self.running:
-                child.wait()
-            sys.exit(130 if isinstance(e, KeyboardInterrupt) else e.code)
+            while (self.pending and self.stopped is None) or self.running:
+                self.step()
+        except KeyboardInterrupt:  # Ctrl-C reached the runs too; one that has not stopped in 5 s is told again
+            deadline = time.monotonic() + 5
+            while any(child.poll() is None for child in self.running) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            self.stop_all(signal.SIGINT)
+            sys.exit(130)
+        except SystemExit as e:  # SIGTERM: every run stops at its last complete epoch
+            self.stop_all(signal.SIGTERM)
+            sys.exit(e.code)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            shutil.rmtree(self.stop_file.parent, ignore_errors=True)
         print(f"study: {self.trained} runs started, {self.settled} needed none", flush=True)
         return self.status
+
+    def stop_all(self, signum: int) -> None:
+        for child in self.running:
+            if child.poll() is None:
+                child.send_signal(signum)
+        for child in self.running:
+            child.wait()
+
+
+def report(study_dir: Path, wandb: bool) -> int:
+    code = exit_status(subprocess.run([sys.executable, "-m", "batchrnn.report", str(study_dir)] + ["--wandb"] * wandb).returncode)
+    print(f"study: report in {study_dir / 'report.md'}", flush=True)
+    return code
+
+
+def staged(overrides: list[str], study_dir: Path, wandb: bool) -> int:
+    """One study as a sweep per stage, stage after stage (a cluster launcher's job arrays), then its report."""
+    status, plan = 0, stages(overrides)
+    for i, (name, stage) in enumerate(plan):
+        print(f"study: stage {name}: src/run.py -m {' '.join(stage)}", flush=True)
+        code = exit_status(subprocess.run([*RUN, *stage]).returncode)
+        # 3: some runs diverged, which the rate choice counts as lost. Anything else stops before the final
+        # stage; after it (a variant with no rate to take, a damaged run folder), the report still shows
+        # what finished, and the exit status says that something did not.
+        if code not in (0, DIVERGED) and i < len(plan) - 1:
+            return code
+        status = worst(status, code)
+    return worst(status, report(study_dir, wandb))
+
+
+def split_studies(argv: list[str]) -> list[list[str]]:
+    """The overrides of each study, from a command line that joins studies with `then`."""
+    groups = [[]]
+    for a in argv:
+        if a == "then":
+            groups.append([])
+        else:
+            groups[-1].append(a)
+    if any(not g for g in groups) and len(groups) > 1:
+        print("error: `then` joins two studies: each side needs its overrides (experiment=... and the rest)",
+              file=sys.stderr)
+        sys.exit(2)
+    return [with_device_preset(g) for g in groups]
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides and sweeps, as for src/run.py -m")
-    parser.add_argument("--wandb", action="store_true", help="log the report to W&B as well")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides and sweeps, as for src/run.py -m; `then` "
+                        "between two studies' overrides runs both in one schedule")
+    parser.add_argument("--wandb", action="store_true", help="log each report to W&B as well")
     args = parser.parse_args(argv)
-    args.overrides = with_device_preset(args.overrides)
-    cfg = composed(args.overrides)
-    study_dir = Path(cfg.hydra.sweep.dir)
-    cores = len(os.sched_getaffinity(0))
-    slots = jobs_at_once(cfg.hydra.launcher, cores)
-    status = 0
-    if slots is not None:  # a local launcher: the study schedules the jobs itself
-        threads = cfg.train.threads or job_threads(cfg.hydra.launcher, cores)
-        status = Pool(jobs(args.overrides), slots, study_dir, threads).run()
-        if status not in (0, 2, DIVERGED):
-            sys.exit(status)
-    else:
-        plan = stages(args.overrides)
-        for i, (name, stage) in enumerate(plan):
-            print(f"study: stage {name}: src/run.py -m {' '.join(stage)}", flush=True)
-            code = exit_status(subprocess.run([*RUN, *stage]).returncode)
-            # 3: some runs diverged, which the rate choice counts as lost. Anything else stops before the final
-            # stage; after it (a variant with no rate to take, a damaged run folder), the report still shows
-            # what finished, and the exit status says that something did not.
-            if code not in (0, DIVERGED) and i < len(plan) - 1:
+    studies = split_studies(args.overrides)
+    cfgs = [composed(study) for study in studies]  # every study's overrides refused before any run, if bad
+    cores, launcher = len(os.sched_getaffinity(0)), cfgs[0].hydra.launcher
+    slots = jobs_at_once(launcher, cores)
+    if slots is None:  # a cluster launcher: each study's stages as job arrays, one study after the other
+        status = 0
+        for study, cfg in zip(studies, cfgs):
+            code = staged(study, Path(cfg.hydra.sweep.dir), args.wandb)
+            if code not in (0, 2, DIVERGED):  # a crash or a signal stops them all; 2 and 3 are counted
                 sys.exit(code)
             status = worst(status, code)
-    report = [sys.executable, "-m", "batchrnn.report", str(study_dir)] + ["--wandb"] * args.wandb
-    status = worst(status, exit_status(subprocess.run(report).returncode))
-    print(f"study: report in {study_dir / 'report.md'}")
-    sys.exit(status)
+        sys.exit(status)
+    plan = [job for study in studies for job in jobs(study)]
+    sys.exit(Pool(plan, slots, job_threads(launcher, cores), lambda d: report(d, args.wandb)).run())
 
 
 if __name__ == "__main__":

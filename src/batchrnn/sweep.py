@@ -4,6 +4,7 @@ A job that fails on its own (diverged, damaged run folder) lets the sweep go on;
 in the sweep folder, because joblib and submitit run jobs in other processes, and `SweepStatus` (a Hydra
 callback, conf/config.yaml) turns those into the sweep's exit status once every job is done.
 """
+import os
 import shutil
 import sys
 from functools import reduce
@@ -45,6 +46,16 @@ def record_failed_job(status: int) -> None:
     failed = Path(hydra.sweep.dir) / FAILED_DIR
     failed.mkdir(parents=True, exist_ok=True)
     (failed / str(hydra.job.num)).write_text(f"{status}\n")
+
+
+STOP_FILE = "BATCHRNN_STOP_FILE"  # set by the study's scheduler for each run it starts (batchrnn.study.Pool)
+
+
+def record_stop(message: str) -> None:
+    """Called by a run that stopped on an error every other run would meet too (bad settings, no corpus):
+    tells the study's scheduler, when one started it, to start no more runs."""
+    if os.environ.get(STOP_FILE):
+        Path(os.environ[STOP_FILE]).write_text(message + "\n")
 
 
 class SweepStatus(Callback):

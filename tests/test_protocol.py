@@ -204,12 +204,13 @@ class ScriptedPool(Pool):
     waits (at most 60 s) until the log has `until` lines with the given text, so a test does not hang on
     timing: a scheduler that never lets those jobs run beside it fails the test's order checks."""
 
-    def __init__(self, plan, slots, log, holds=lambda job: False, until=("", 0), exits=lambda job: 0, stops=None):
+    def __init__(self, plan, slots, log, holds=lambda job: False, until=("", 0), exits=lambda job: 0, stops=None,
+                 settles=lambda job: None):
         super().__init__(plan, slots, 0)
-        self.log, self.holds, self.until, self.exits, self.stops = log, holds, until, exits, stops
+        self.log, self.holds, self.until, self.exits, self.stops, self.settles = log, holds, until, exits, stops, settles
 
     def settle(self, job):
-        return None
+        return self.settles(job)
 
     def command(self, job):
         name = f"{job.study_dir.name}/{bn(job)}:{job.stage}:" + ",".join(o for o in job.overrides
@@ -332,3 +333,15 @@ def test_a_variant_in_two_studies_keeps_its_stage_order_across_them(tmp_path):
     assert not pool.ready(final)  # the grid's tuning of the same variant is not over
     pool.ended |= {id(j) for j in grid if j.stage == "tune"}
     assert pool.ready(final)
+
+
+def test_a_later_studys_runs_wait_while_an_earlier_study_has_a_run_to_start(tmp_path):
+    """The first study's tuning is all finished (settled without a process), which makes its widening and
+    seeds ready only then: with one slot they still go before the second study's tuning."""
+    first = jobs(["experiment=smoke", f"hydra.sweep.dir={tmp_path / 'a'}", "protocol.lrs=[1e-3,2e-3]"])
+    second = jobs(["experiment=smoke", f"hydra.sweep.dir={tmp_path / 'b'}", "model.bn=post", "protocol.lrs=[1e-3,2e-3]"])
+    log = tmp_path / "log"
+    settled = lambda job: 0 if job.study_dir.name == "a" and job.stage == "tune" else None  # noqa: E731
+    assert ScriptedPool(first + second, 1, log, settles=settled).run() == 0
+    started = [e.split()[1].split(":")[0] for e in log.read_text().splitlines() if e.startswith("start")]
+    assert started == ["a/none"] * sum(j.stage != "tune" for j in first) + ["b/post"] * len(second)

@@ -155,11 +155,12 @@ class Pool:
     def __init__(self, plan: list[Job], slots: int, threads: int, report=None):
         self.plan, self.slots, self.threads, self.report = plan, slots, threads, report or (lambda study_dir: 0)
         self.pending, self.running, self.ended = list(plan), {}, set()  # running: Popen -> job; ended: ids
+        self.earlier = {id(job): [id(o) for o in plan if o.variant == job.variant and o.rank < job.rank] for job in plan}
         self.status, self.trained, self.settled, self.stopped = 0, 0, 0, None
         self.stop_file = Path(tempfile.mkdtemp(prefix="batchrnn-study-")) / "stop"  # a run's record_stop writes it
 
     def ready(self, job: Job) -> bool:
-        return all(id(o) in self.ended for o in self.plan if o.variant == job.variant and o.rank < job.rank)
+        return all(i in self.ended for i in self.earlier[id(job)])
 
     def settle(self, job: Job) -> int | None:
         """The job's exit status when it needs no process, else None. Mirrors src/run.py's choice of rate."""
@@ -204,8 +205,11 @@ class Pool:
 
     def step(self) -> None:
         """Starts (or settles) every ready job that a free slot allows, then collects the runs that ended."""
-        for job in [j for j in self.pending if self.ready(j)]:
-            if self.stopped is not None or len(self.running) >= self.slots:
+        while self.stopped is None and len(self.running) < self.slots:
+            # the plan's first ready job, looked for again after each: one settled here can make the next one
+            # of its variant ready, and that goes before a later study's jobs
+            job = next((j for j in self.pending if self.ready(j)), None)
+            if job is None:
                 break
             self.pending.remove(job)
             code = self.settle(job)

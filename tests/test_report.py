@@ -526,6 +526,21 @@ def test_runs_from_several_machines_are_named_and_their_time_ratios_qualified(tm
     assert "Machines:" not in write_report(tmp_path).read_text()
 
 
+def test_runs_with_other_thread_counts_are_counted_and_their_time_ratios_qualified(tmp_path):
+    """The grid's runs, one 2-thread job at a time (train.threads 0, from before results.json recorded threads),
+    beside the normalisations' two 1-thread jobs at once."""
+    for bn, threads in (("none", None), ("seqwise", 1)):
+        for seed in (1, 2):
+            run = result(config(bn, seed, 1e-3), set(), [0.9, 0.5])
+            write(tmp_path, f"{bn}-{seed}", run | ({"threads": threads} if threads else {}))
+    text = write_report(tmp_path).read_text()
+    assert "- Torch threads: 2 runs with 1; 2 runs with torch's default." in text
+    assert json.loads((tmp_path / "report.json").read_text())["threads"] == {"1": 2, "torch's default": 2}
+    for path in tmp_path.rglob("results.json"):  # one thread count: no such line
+        path.write_text(json.dumps(json.loads(path.read_text()) | {"threads": 2}))
+    assert "Torch threads:" not in write_report(tmp_path).read_text()
+
+
 def test_seeds_whose_epoch_times_drifted_apart_are_named_below_the_table(tmp_path):
     """The same work at speeds more than DRIFT apart on one machine: its speed changed while the study ran (seen
     on the shared VM of the AN4 study), so the time ratios are not costs, and the report says so under the table."""

@@ -72,6 +72,12 @@ def header(summary: Summary) -> list[str]:
         lines.append(f"- Machines: {len(summary.machines)} ({'; '.join(summary.machines)}). Runs are deterministic on "
                      "one machine only, and epoch times of different machines differ (up to 1.7x seen here), so the "
                      "time ratios mix machine and variant; `make bench` measures the variants' cost in one run.")
+    if len(summary.threads) > 1:
+        counts = "; ".join(f"{n} runs with {t}" for t, n in summary.threads.items())
+        lines.append(f"- Torch threads: {counts}. A run's epoch time depends on its threads and on what ran beside it "
+                     "(two 1-thread jobs at once each take about 1.5x a 2-thread job's epoch, experiments/README.md), "
+                     "so time ratios between runs of different thread counts mix the two; `make bench` measures the "
+                     "variants' cost in one run.")
     if summary.stopped:
         lines.append(f"- Stopped (nothing written for a while, so no process owns them): {', '.join(summary.stopped)}")
     if summary.duplicates:
@@ -329,7 +335,7 @@ def compute_line(summary: Summary) -> str:
 def as_json(summary: Summary, plots: list[str]) -> dict:
     """report.json: the summary less the runs themselves (they are the results.json files), strict JSON."""
     return ready({
-        "sweep_dir": summary.sweep_dir, "study": summary.study, "preset": summary.preset, "devices": summary.devices, "machines": summary.machines,
+        "sweep_dir": summary.sweep_dir, "study": summary.study, "preset": summary.preset, "devices": summary.devices, "machines": summary.machines, "threads": summary.threads,
         "torch": summary.torch, "columns": summary.columns, **summary.counts, "skipped": summary.unreadable, "stopped_runs": summary.stopped,
         "duplicates": summary.duplicates, "protocol": summary.protocol, "tuning": summary.tuning,
         "off_grid": summary.off_grid, "failed": summary.failed, "unpaired": summary.unpaired, "compute": summary.compute, "drift": summary.drift, "only": summary.only, "significance": significance(summary) if summary.rows else None,

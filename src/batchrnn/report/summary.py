@@ -46,6 +46,7 @@ class Summary:
     preset: str
     devices: str
     machines: list[str]  # what ran the epochs; time ratios across several compare machines as well as variants
+    threads: dict[str, int]  # torch threads per run -> runs: two 1-thread jobs at once each run slower than one 2-thread job
     torch: str
     counts: dict[str, int]  # runs by status: finished, running, stopped (no live owner), diverged
     unreadable: list[str]  # results.json paths that could not be read
@@ -117,6 +118,7 @@ def build(sweep_dir: Path, now: float | None = None, only: dict[str, list[str]] 
     return Summary(
         sweep_dir=str(sweep_dir), study=distinct(kept, "study"), preset=distinct(kept, "preset"),
         devices=distinct(kept, "device"), machines=sorted({r["machine"] for r in kept if r.get("machine")}), torch=distinct(kept, "torch_version"),
+        threads=dict(sorted(Counter(thread_count(r) for r in kept).items())),
         counts={s: counts[s] for s in ("finished", "running", "stopped", "diverged")},
         unreadable=[str(p) for p in unreadable], duplicates=duplicates, protocol=protocol,
         stopped=[run["path"] for group in runs.values() for run in group if run["status"] == "stopped"],
@@ -235,6 +237,12 @@ def protocol_of(results: list[dict]) -> dict | None:
     # the tuning runs of a study later run with a larger protocol.widen still say the smaller); runs from
     # before the setting existed were made without widening.
     return json.loads(found.most_common(1)[0][0]) | {"widen": max(p.get("widen", 0) for p in protocols)}
+
+
+def thread_count(result: dict) -> str:
+    """The torch threads a run trained with: recorded since session 8; before, train.threads (0: torch's default)."""
+    given = result.get("threads") or result["config"]["train"].get("threads")
+    return str(given) if given else "torch's default"
 
 
 def distinct(results: list[dict], key: str) -> str:

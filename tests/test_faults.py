@@ -27,6 +27,7 @@ from batchrnn import data, features, tracking
 from batchrnn.config import DataConfig
 from batchrnn.data import DataError, extract_archive, prepare_corpus
 from batchrnn.rundir import BEST, CHECKPOINT, RESULTS, RunError
+from batchrnn.sweep import STOP_FILE
 from batchrnn.train import TrainingDiverged, train
 from conftest import ROOT
 from wandb_offline import read_offline_run
@@ -345,6 +346,17 @@ def test_data_error_stops_a_sweep_with_one_line(tmp_path):
     assert len(errors) == 1 and f"{bad}: truncated or corrupt archive" in errors[0]  # the second job never ran
     assert "delete it and fetch it again" in errors[0]
     assert not list((tmp_path / "sweep").rglob(RESULTS))
+
+
+def test_a_run_the_study_started_tells_it_of_an_error_every_run_would_meet(tmp_path, monkeypatch):
+    """src/run.py's side of the study's stop (batchrnn.sweep.record_stop): a corrupt archive is written to the
+    file the study named, so the study starts no more runs (tests/test_protocol.py has the study's side)."""
+    bad = tmp_path / "an4_sphere.tar.gz"
+    bad.write_bytes(b"not an archive" * 100)
+    monkeypatch.setenv(STOP_FILE, str(tmp_path / "stop"))
+    run = cli("experiment=smoke", "data.corpus=an4", f"data.archive={bad}", f"data.root={tmp_path / 'root'}",
+              f"hydra.run.dir={tmp_path / 'study'}")
+    assert run.returncode == 2 and f"{bad}: truncated or corrupt archive" in (tmp_path / "stop").read_text()
 
 
 # -- training: interruptions and damaged run folders -----------------------------------------------

@@ -322,17 +322,26 @@ def test_a_studys_jobs_put_its_presets_sweep_first_as_hydra_does():
     assert len({j.variant for j in plan}) == 4 and len(plan) == 4 * (3 + 2 + 3)
 
 
-def test_a_variant_in_two_studies_keeps_its_stage_order_across_them(tmp_path):
-    """The depth study's 3-layer runs are the grid's (protocol.reuse_from): its seeds wait for the grid's tuning."""
+def test_a_variant_in_two_studies_is_trained_once(tmp_path):
+    """The depth study takes the grid's 3-layer runs (protocol.reuse_from): each of its jobs waits for the grid's
+    jobs of that variant up to its own stage, never the other way round. Two studies in one folder (the grid
+    and the norms) likewise: the later one's run of a variant they share waits for the earlier one's."""
     grid = jobs(["experiment=smoke", f"hydra.sweep.dir={tmp_path / 'grid'}", "protocol.lrs=[1e-3,2e-3]"])
-    depth = jobs(["experiment=smoke", f"hydra.sweep.dir={tmp_path / 'depth'}", "protocol.lrs=[1e-3,2e-3]"])
-    pool = Pool(grid + depth, 2, 0)
-    final = next(j for j in depth if j.stage == "final")
-    assert not pool.ready(final)
-    pool.ended |= {id(j) for j in depth if j.stage == "tune"}
-    assert not pool.ready(final)  # the grid's tuning of the same variant is not over
-    pool.ended |= {id(j) for j in grid if j.stage == "tune"}
-    assert pool.ready(final)
+    depth = jobs(["experiment=smoke", f"hydra.sweep.dir={tmp_path / 'depth'}", "protocol.lrs=[1e-3,2e-3]",
+                  f"protocol.reuse_from={tmp_path / 'grid'}", "model.num_layers=2,3"], 1)
+    other = jobs(["experiment=smoke", f"hydra.sweep.dir={tmp_path / 'other'}", "protocol.lrs=[1e-3,2e-3]"], 2)
+    pool = Pool(grid + depth + other, 2, 0)
+    taken = [j for j in depth if j.cfg.model.num_layers == 2]  # smoke's own depth: the grid's variant
+    assert all(not pool.earlier[id(j)] for j in grid if j.stage == "tune")  # the grid waits for nobody else
+    assert all(set(pool.earlier[id(j)]) <= {id(o) for o in grid} for j in grid)
+    for j in taken:
+        assert {id(o) for o in grid if o.rank <= j.rank} <= set(pool.earlier[id(j)])
+    assert not any(set(pool.earlier[id(j)]) & {id(o) for o in grid} for j in depth if j not in taken)
+    assert not any(set(pool.earlier[id(j)]) & {id(o) for o in grid + depth} for j in other)  # no reuse, own folder
+    again = jobs(["experiment=smoke", f"hydra.sweep.dir={tmp_path / 'grid'}", "protocol.lrs=[1e-3,2e-3]"], 1)
+    pool = Pool(grid + again, 2, 0)
+    first_tune = next(j for j in again if j.stage == "tune")
+    assert {id(o) for o in grid if o.stage == "tune"} <= set(pool.earlier[id(first_tune)])
 
 
 def test_a_later_studys_runs_wait_while_an_earlier_study_has_a_run_to_start(tmp_path):
@@ -345,3 +354,10 @@ def test_a_later_studys_runs_wait_while_an_earlier_study_has_a_run_to_start(tmp_
     assert ScriptedPool(first + second, 1, log, settles=settled).run() == 0
     started = [e.split()[1].split(":")[0] for e in log.read_text().splitlines() if e.startswith("start")]
     assert started == ["a/none"] * sum(j.stage != "tune" for j in first) + ["b/post"] * len(second)
+
+
+def test_studies_with_different_launchers_are_refused_before_any_run(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "batchrnn.study", "experiment=smoke", f"hydra.sweep.dir={tmp_path}",
+                          "then", "experiment=smoke", "hydra/launcher=slurm_local"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 2 and "need one launcher" in run.stderr and not list(tmp_path.rglob(RESULTS))

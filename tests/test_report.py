@@ -534,8 +534,8 @@ def test_runs_with_other_thread_counts_are_counted_and_their_time_ratios_qualifi
             run = result(config(bn, seed, 1e-3), set(), [0.9, 0.5])
             write(tmp_path, f"{bn}-{seed}", run | ({"threads": threads} if threads else {}))
     text = write_report(tmp_path).read_text()
-    assert "- Torch threads: 2 runs with 1; 2 runs with torch's default." in text
-    assert json.loads((tmp_path / "report.json").read_text())["threads"] == {"1": 2, "torch's default": 2}
+    assert "- Torch threads: 2 runs with 1; 2 runs with torch's default (not recorded)." in text
+    assert json.loads((tmp_path / "report.json").read_text())["threads"] == {"1": 2, "torch's default (not recorded)": 2}
     for path in tmp_path.rglob("results.json"):  # one thread count: no such line
         path.write_text(json.dumps(json.loads(path.read_text()) | {"threads": 2}))
     assert "Torch threads:" not in write_report(tmp_path).read_text()

@@ -4,7 +4,7 @@
     python -m batchrnn.study experiment=an4_depth then experiment=an4_cpu model.bn=ln,wn   # two studies
 
 Several studies joined by `then` share one schedule: the first one's runs go first, and a later one's fill
-the slots that the first leaves free; each study's report is written as soon as its own runs have ended.
+the slots that the first leaves free; each study folder's report is written once every run in it has ended.
 
 Stage tune sweeps every variant over protocol.lrs with protocol.tune_seeds; stage widen (protocol.widen
 times) tunes each variant whose best rate is an edge of its grid at one rate past it; stage final runs
@@ -98,7 +98,20 @@ class Job:
     variant: str  # what the rate is chosen for (protocol.variant_key): every setting but the seed and the rate
     overrides: list[str]  # one run's, as a sweep of the stage would give that job
     cfg: DictConfig  # composed from them and validated, before any job runs
-    study_dir: Path  # the study's folder, where the run's own folder goes
+    study_dir: Path  # the study's folder, where the run's own folder goes (resolved)
+    group: int = 0  # which of the studies joined by `then` it belongs to
+
+    def waits_for(self, other: "Job") -> bool:
+        """Whether this job may start only once `other` has ended: a job of its own variant in an earlier stage
+        of its study; in another study of the schedule that shares its folder, or whose folder it takes
+        finished runs from (protocol.reuse_from), in the same stage or an earlier one, so that one run is
+        never trained twice, nor at once by two processes."""
+        if other.variant != self.variant or other is self:
+            return False
+        if other.group == self.group:
+            return other.rank < self.rank
+        source = Path(self.cfg.protocol.reuse_from).resolve() if self.cfg.protocol.reuse_from else None
+        return other.group < self.group and other.study_dir in (self.study_dir, source) and other.rank <= self.rank
 
 
 def expand(overrides: list[str]) -> list[list[str]]:
@@ -114,12 +127,12 @@ def expand(overrides: list[str]) -> list[list[str]]:
     return [list(job) for job in itertools.product(*by_key.values())]
 
 
-def jobs(overrides: list[str]) -> list[Job]:
+def jobs(overrides: list[str], group: int = 0) -> list[Job]:
     """Every job of every stage, in the order the stages' sweeps would run them: each stage's overrides
     (and the preset's hydra.sweeper.params, before them as Hydra puts them) expanded as Hydra's sweeper does.
     Each is composed and validated here, so a bad value anywhere in a sweep stops the study before any run."""
     study = composed(overrides).hydra
-    params, study_dir = study.sweeper.params or {}, Path(study.sweep.dir)
+    params, study_dir = study.sweeper.params or {}, Path(study.sweep.dir).resolve()
     swept = [f"{key}={value}" for key, value in params.items()]
     out, plan = [], stages(overrides)
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
@@ -128,7 +141,7 @@ def jobs(overrides: list[str]) -> list[Job]:
                 for job in expand(swept + args):
                     cfg = compose(config_name="config", overrides=job)
                     validate(cfg)
-                    out.append(Job(stage, rank, variant_key(to_container(cfg)), job, cfg, study_dir))
+                    out.append(Job(stage, rank, variant_key(to_container(cfg)), job, cfg, study_dir, group))
             except (HydraException, OmegaConfBaseException, ConfigError) as e:
                 print(f"error: {one_line(e)}", file=sys.stderr)
                 sys.exit(2)
@@ -155,9 +168,8 @@ class Pool:
     def __init__(self, plan: list[Job], slots: int, threads: int, report=None):
         self.plan, self.slots, self.threads, self.report = plan, slots, threads, report or (lambda study_dir: 0)
         self.pending, self.running, self.ended = list(plan), {}, set()  # running: Popen -> job; ended: ids
-        self.earlier = {id(job): [id(o) for o in plan if o.variant == job.variant and o.rank < job.rank] for job in plan}
+        self.earlier = {id(job): [id(o) for o in plan if job.waits_for(o)] for job in plan}
         self.status, self.trained, self.settled, self.stopped = 0, 0, 0, None
-        self.stop_file = Path(tempfile.mkdtemp(prefix="batchrnn-study-")) / "stop"  # a run's record_stop writes it
 
     def ready(self, job: Job) -> bool:
         return all(i in self.ended for i in self.earlier[id(job)])
@@ -227,17 +239,15 @@ class Pool:
 
     def run(self) -> int:
         """Every job of the plan, or until a run crashes; the worst exit status (errors.worst)."""
+        self.stop_file = Path(tempfile.mkdtemp(prefix="batchrnn-study-")) / "stop"  # a run's record_stop writes it
         previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         try:
             while (self.pending and self.stopped is None) or self.running:
                 self.step()
-        except KeyboardInterrupt:  # Ctrl-C reached the runs too; one that has not stopped in 5 s is told again
-            deadline = time.monotonic() + 5
-            while any(child.poll() is None for child in self.running) and time.monotonic() < deadline:
-                time.sleep(0.1)
+        except KeyboardInterrupt:  # Ctrl-C: every run stops at its last complete epoch
             self.stop_all(signal.SIGINT)
             sys.exit(130)
-        except SystemExit as e:  # SIGTERM: every run stops at its last complete epoch
+        except SystemExit as e:  # SIGTERM: likewise
             self.stop_all(signal.SIGTERM)
             sys.exit(e.code)
         finally:
@@ -247,6 +257,11 @@ class Pool:
         return self.status
 
     def stop_all(self, signum: int) -> None:
+        """The signal reached the runs too when it came to the process group (a terminal's Ctrl-C, kill -- -PGID):
+        a run told twice could cut its own clean-up short, so only one still going after 5 s is told."""
+        deadline = time.monotonic() + 5
+        while any(child.poll() is None for child in self.running) and time.monotonic() < deadline:
+            time.sleep(0.1)
         for child in self.running:
             if child.poll() is None:
                 child.send_signal(signum)
@@ -299,6 +314,10 @@ def main(argv: list[str] | None = None) -> None:
     studies = split_studies(args.overrides)
     cfgs = [composed(study) for study in studies]  # every study's overrides refused before any run, if bad
     cores, launcher = len(os.sched_getaffinity(0)), cfgs[0].hydra.launcher
+    if len({cfg.hydra.launcher.get("_target_") for cfg in cfgs}) > 1:
+        print("error: studies joined by `then` share one schedule, so they need one launcher (hydra/launcher=...); "
+              "give each the same, or run them as separate commands", file=sys.stderr)
+        sys.exit(2)
     slots = jobs_at_once(launcher, cores)
     if slots is None:  # a cluster launcher: each study's stages as job arrays, one study after the other
         status = 0
@@ -308,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
                 sys.exit(code)
             status = worst(status, code)
         sys.exit(status)
-    plan = [job for study in studies for job in jobs(study)]
+    plan = [job for i, study in enumerate(studies) for job in jobs(study, i)]
     sys.exit(Pool(plan, slots, job_threads(launcher, cores), lambda d: report(d, args.wandb)).run())
 
 

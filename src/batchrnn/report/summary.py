@@ -118,7 +118,7 @@ def build(sweep_dir: Path, now: float | None = None, only: dict[str, list[str]] 
     return Summary(
         sweep_dir=str(sweep_dir), study=distinct(kept, "study"), preset=distinct(kept, "preset"),
         devices=distinct(kept, "device"), machines=sorted({r["machine"] for r in kept if r.get("machine")}), torch=distinct(kept, "torch_version"),
-        threads=dict(sorted(Counter(thread_count(r) for r in kept).items())),
+        threads=dict(sorted(Counter(thread_count(r) for r in kept).items(), key=lambda kv: (not kv[0].isdigit(), len(kv[0]), kv[0]))),
         counts={s: counts[s] for s in ("finished", "running", "stopped", "diverged")},
         unreadable=[str(p) for p in unreadable], duplicates=duplicates, protocol=protocol,
         stopped=[run["path"] for group in runs.values() for run in group if run["status"] == "stopped"],
@@ -240,9 +240,10 @@ def protocol_of(results: list[dict]) -> dict | None:
 
 
 def thread_count(result: dict) -> str:
-    """The torch threads a run trained with: recorded since session 8; before, train.threads (0: torch's default)."""
+    """The torch threads a run trained with: recorded since session 8; before, train.threads, where 0 (torch's
+    default, all cores) was not recorded as a number, so such a run counts apart from every recorded count."""
     given = result.get("threads") or result["config"]["train"].get("threads")
-    return str(given) if given else "torch's default"
+    return str(given) if given else "torch's default (not recorded)"
 
 
 def distinct(results: list[dict], key: str) -> str:

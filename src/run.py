@@ -12,6 +12,7 @@ whichever launcher ran it (batchrnn.sweep).
 """
 import logging
 import math
+import multiprocessing
 import os
 import signal
 import sys
@@ -40,6 +41,20 @@ def stop_on_sigterm(signum, frame):
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float:
+    try:
+        return run(cfg)
+    except SystemExit as e:
+        if e.code in (130, 143) and multiprocessing.current_process().name.startswith("LokyProcess"):
+            # A joblib worker (hydra/launcher=parallel) would take SystemExit for this job's result and wait for
+            # the next job, busy, though its sweep is gone: end the process, the run's files being complete.
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(e.code)
+        raise
+
+
+def run(cfg: DictConfig) -> float:
     # Only where nobody else handles it: submitit's own handler turns SIGTERM into a SLURM requeue.
     in_main_thread = threading.current_thread() is threading.main_thread()
     if in_main_thread and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:

@@ -361,6 +361,33 @@ def test_a_run_the_study_started_tells_it_of_an_error_every_run_would_meet(tmp_p
 
 # -- training: interruptions and damaged run folders -----------------------------------------------
 
+def test_sigterm_ends_a_parallel_sweeps_worker_processes_too(tmp_path, smoke_root):
+    """joblib's workers (hydra/launcher=parallel) take a job's SystemExit for its result and wait for more: a
+    SIGTERM to the sweep's process group must end them too, not leave them busy once the sweep is gone."""
+    study = tmp_path / "study"
+    args = ["-m", "experiment=smoke", f"data.root={smoke_root}", f"hydra.sweep.dir={study}", "train.epochs=30",
+            "seed=1,2", "hydra/launcher=parallel"]
+    with open(tmp_path / "out.log", "w+") as out:
+        proc = subprocess.Popen([*RUN, *args], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 180
+        while len(list(study.glob(f"*/{CHECKPOINT}"))) < 2:  # both jobs past their first epoch, in workers
+            assert proc.poll() is None and time.monotonic() < deadline, "the sweep ended before it was killed"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(proc.pid, 0)  # anything left of the sweep's process group?
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail("a worker of the sweep was still running 30 s after SIGTERM")
+        out.seek(0)
+        assert out.read().count("stopped by SIGTERM") == 2
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, smoke_root):
     return train(config(f"data.root={smoke_root}", "train.epochs=6"), tmp_path_factory.mktemp("whole"))

@@ -242,7 +242,7 @@ def protocol_of(results: list[dict]) -> dict | None:
 def thread_count(result: dict) -> str:
     """The torch threads a run trained with: recorded since session 8; before, train.threads, where 0 (torch's
     default, all cores) was not recorded as a number, so such a run counts apart from every recorded count."""
-    given = result.get("threads") or result["config"]["train"].get("threads")
+    given = result.get("threads") or result.get("config", {}).get("train", {}).get("threads")
     return str(given) if given else "torch's default (not recorded)"
 
 

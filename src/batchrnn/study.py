@@ -45,15 +45,15 @@ ROOT = Path(__file__).resolve().parents[2]
 RUN = [sys.executable, str(ROOT / "src" / "run.py"), "-m"]
 
 
-def composed(overrides: list[str], fixed_only: bool = True):
-    """The composed config with Hydra's own section, from the overrides that are not sweeps (all of them:
-    fixed_only=False, for one job's). A refused override ends the study in one line, before any run."""
+def composed(overrides: list[str]):
+    """The composed config with Hydra's own section, from the overrides that are not sweeps. A refused override
+    ends the study in one line, before any run."""
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as e:
         print(f"error: {one_line(e)}", file=sys.stderr)
         sys.exit(2)
-    fixed = [o.input_line for o in parsed if not (fixed_only and o.is_sweep_override())]
+    fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
     register_configs()
     try:
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

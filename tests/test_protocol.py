@@ -289,7 +289,8 @@ def test_studies_joined_by_then_share_one_schedule_and_each_gets_its_report_when
     pool.report = lambda study_dir: reports.append(study_dir.name) or 0
     assert pool.run() == 0
     events = log.read_text().splitlines()
-    assert sorted(events[:2]) == ["start a/none:tune:train.lr=0.001,seed=1", "start a/none:tune:train.lr=0.002,seed=1"]
+    starts = [e for e in events if e.startswith("start")]  # a short run may end before the other one starts
+    assert sorted(starts[:2]) == ["start a/none:tune:train.lr=0.001,seed=1", "start a/none:tune:train.lr=0.002,seed=1"]
     # the second study ran in the slot the first's long tuning run left free, and was reported first
     assert events.index("end a/none:tune:train.lr=0.002,seed=1") > max(i for i, e in enumerate(events) if "b/" in e)
     assert events[-1].startswith("end a/none:final:") and reports == ["b", "a"]

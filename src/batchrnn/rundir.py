@@ -25,6 +25,19 @@ class RunError(RuntimeError):
     """A damaged run folder, or one that holds another configuration; the message names the file and the fix."""
 
 
+def finished_run(path: Path, config: dict) -> dict | None:
+    """The results of the finished run in `path` when it has these settings; None for anything else (no
+    results, unreadable ones, an unfinished run, other settings), which train() handles and explains."""
+    try:
+        found = json.loads((Path(path) / RESULTS).read_text())
+    except (OSError, ValueError):
+        return None
+    if (isinstance(found, dict) and found.get("status") == "finished" and isinstance(found.get("config"), dict)
+            and not mismatch(found["config"], config)):
+        return found
+    return None
+
+
 class RunFolder:
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -67,12 +80,7 @@ class RunFolder:
         source = Path(source_study) / self.path.name
         if self.file(RESULTS).exists() or source.resolve() == self.path.resolve():
             return False
-        try:
-            found = json.loads((source / RESULTS).read_text())
-        except (OSError, ValueError):  # none there, or unreadable: train here as usual
-            return False
-        if not (isinstance(found, dict) and found.get("status") == "finished" and isinstance(found.get("config"), dict)
-                and not mismatch(found["config"], config)):
+        if (found := finished_run(source, config)) is None:  # none there, unreadable, or not it: train here
             return False
         if (source / BEST).exists():
             atomic_write(self.file(BEST), lambda tmp: shutil.copyfile(source / BEST, tmp))

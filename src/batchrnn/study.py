@@ -17,7 +17,6 @@ sweep, a job array, stage after stage.
 """
 import argparse
 import itertools
-import json
 import os
 import shutil
 import signal
@@ -37,8 +36,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from batchrnn.config import ConfigError, register_configs, to_container, validate, with_device_preset
 from batchrnn.errors import DIVERGED, one_line, worst
-from batchrnn.protocol import (ProtocolError, can_widen, mismatch, nothing_to_widen, run_name, stage_lr,
-                               variant_key)
+from batchrnn.protocol import ProtocolError, can_widen, nothing_to_widen, run_name, stage_lr, variant_key
 from batchrnn.sweep import STOP_FILE, job_threads, jobs_at_once
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,19 +63,13 @@ def composed(overrides: list[str]):
     return cfg
 
 
-def protocol_of(overrides: list[str]):
-    """The composed protocol section and study folder, from the overrides that are not sweeps."""
-    cfg = composed(overrides)
-    return cfg.protocol, Path(cfg.hydra.sweep.dir)
-
-
 def as_list(values) -> str:
     return ",".join(str(v) for v in values)
 
 
-def stages(overrides: list[str]) -> list[tuple[str, list[str]]]:
-    """(name, the run.py -m arguments) of each stage, in order."""
-    p, _ = protocol_of(overrides)
+def stages(overrides: list[str], cfg: DictConfig | None = None) -> list[tuple[str, list[str]]]:
+    """(name, the run.py -m arguments) of each stage, in order; cfg: the study's composed(overrides), if at hand."""
+    p = (cfg or composed(overrides)).protocol
     if not p.lrs:
         return [("runs", [*overrides, f"seed={as_list(p.seeds)}"])]
     widen = [(f"widen {i}" if p.widen > 1 else "widen", [*overrides, "protocol.stage=widen", f"seed={as_list(p.tune_seeds)}"])
@@ -127,14 +119,15 @@ def expand(overrides: list[str]) -> list[list[str]]:
     return [list(job) for job in itertools.product(*by_key.values())]
 
 
-def jobs(overrides: list[str], group: int = 0) -> list[Job]:
+def jobs(overrides: list[str], group: int = 0, cfg: DictConfig | None = None) -> list[Job]:
     """Every job of every stage, in the order the stages' sweeps would run them: each stage's overrides
     (and the preset's hydra.sweeper.params, before them as Hydra puts them) expanded as Hydra's sweeper does.
-    Each is composed and validated here, so a bad value anywhere in a sweep stops the study before any run."""
-    study = composed(overrides).hydra
-    params, study_dir = study.sweeper.params or {}, Path(study.sweep.dir).resolve()
+    Each is composed and validated here, so a bad value anywhere in a sweep stops the study before any run.
+    cfg: the study's composed(overrides), if at hand."""
+    cfg = cfg or composed(overrides)
+    params, study_dir = cfg.hydra.sweeper.params or {}, Path(cfg.hydra.sweep.dir).resolve()
     swept = [f"{key}={value}" for key, value in params.items()]
-    out, plan = [], stages(overrides)
+    out, plan = [], stages(overrides, cfg)
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         for rank, (stage, args) in enumerate(plan):
             try:
@@ -146,17 +139,6 @@ def jobs(overrides: list[str], group: int = 0) -> list[Job]:
                 print(f"error: {one_line(e)}", file=sys.stderr)
                 sys.exit(2)
     return out
-
-
-def finished(path: Path, config: dict) -> bool:
-    """The run in `path` is finished with these settings (any other case, src/run.py handles and explains)."""
-    from batchrnn.rundir import RESULTS  # torch, which a refused override need not wait for
-
-    try:
-        done = json.loads((path / RESULTS).read_text())
-        return done.get("status") == "finished" and not mismatch(done["config"], config)
-    except (OSError, ValueError, AttributeError, KeyError, TypeError):
-        return False
 
 
 class Pool:
@@ -187,7 +169,9 @@ class Pool:
             return 0
         config["train"]["lr"] = lr
         path = job.study_dir / run_name(config)
-        if not job.cfg.train.rerun and finished(path, config):
+        from batchrnn.rundir import finished_run  # torch, which a refused override need not wait for
+
+        if not job.cfg.train.rerun and finished_run(path, config) is not None:
             print(f"study: {path} is finished; train.rerun=true runs it again", flush=True)
             return 0
         return None
@@ -275,9 +259,10 @@ def report(study_dir: Path, wandb: bool) -> int:
     return code
 
 
-def staged(overrides: list[str], study_dir: Path, wandb: bool) -> int:
-    """One study as a sweep per stage, stage after stage (a cluster launcher's job arrays), then its report."""
-    status, plan = 0, stages(overrides)
+def staged(overrides: list[str], cfg: DictConfig, wandb: bool) -> int:
+    """One study (cfg: its composed overrides) as a sweep per stage, stage after stage (a cluster launcher's
+    job arrays), then its report."""
+    status, plan, study_dir = 0, stages(overrides, cfg), Path(cfg.hydra.sweep.dir)
     for i, (name, stage) in enumerate(plan):
         print(f"study: stage {name}: src/run.py -m {' '.join(stage)}", flush=True)
         code = exit_status(subprocess.run([*RUN, *stage]).returncode)
@@ -322,12 +307,12 @@ def main(argv: list[str] | None = None) -> None:
     if slots is None:  # a cluster launcher: each study's stages as job arrays, one study after the other
         status = 0
         for study, cfg in zip(studies, cfgs):
-            code = staged(study, Path(cfg.hydra.sweep.dir), args.wandb)
+            code = staged(study, cfg, args.wandb)
             if code not in (0, 2, DIVERGED):  # a crash or a signal stops them all; 2 and 3 are counted
                 sys.exit(code)
             status = worst(status, code)
         sys.exit(status)
-    plan = [job for i, study in enumerate(studies) for job in jobs(study, i)]
+    plan = [job for i, (study, cfg) in enumerate(zip(studies, cfgs)) for job in jobs(study, i, cfg)]
     sys.exit(Pool(plan, slots, job_threads(launcher, cores), lambda d: report(d, args.wandb)).run())
 
 

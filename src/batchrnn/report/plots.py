@@ -45,7 +45,7 @@ def save(fig, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # a title wider than one panel is kept whole, not cut
     plt.close(fig)
 
 

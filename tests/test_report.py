@@ -635,3 +635,26 @@ def test_only_reports_the_runs_with_those_settings_and_compares_only_them(tmp_pa
         with pytest.raises(SystemExit) as stop:
             main([str(tmp_path), "--out", str(tmp_path / "bad"), *bad])
         assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_full_layernorm_rnn_is_compared_with_the_fused_ln_it_adds_to(tmp_path):
+    """ln_full (a step loop, several times ln's cost) must earn its price against ln, the fused LayerNorm of
+    W x: that pair is compared head to head too, in the same Holm family; without ln, there is nothing to pair."""
+    protocol_study(tmp_path)
+    p = {"lrs": [1e-3, 3e-3], "tune_seeds": [1], "seeds": [1, 2], "stage": "tune"}
+    for bn, errors in (("ln", 10), ("ln_full", 8)):
+        for lr, val in ((1e-3, 0.5), (3e-3, 0.3)):
+            for seed in (1, 2) if lr == 3e-3 else (1,):
+                write(tmp_path, f"{bn}-{lr}-{seed}", result(config(bn, seed, lr, p | {"stage": "tune" if seed == 1 else "final"}),
+                                                         set(range(errors + seed)), [0.9, val]))
+    report = write_report(tmp_path, tmp_path / "all")
+    pairs = [(c["a"].split()[0], c["b"].split()[0]) for c in json.loads((report.parent / "report.json").read_text())[
+        "comparisons"]]  # labels: "gru-ln lr=0.003"
+    assert ("gru-ln_full", "gru-ln") in pairs and len(pairs) == 4 + 3 + 1  # 4 vs none, 3 vs seqwise, ln_full vs ln
+    assert "and `ln_full` against `ln` (a step loop against the fused variant it adds to)" in report.read_text()
+    assert "Holm–Bonferroni over the 8 comparisons" in report.read_text()
+
+    main([str(tmp_path), "--out", str(tmp_path / "no-ln"), "--only", "model.bn=none,input,seqwise,ln_full"])
+    alone = json.loads((tmp_path / "no-ln" / "report.json").read_text())
+    assert not any(c["b"].startswith("gru-ln ") for c in alone["comparisons"]) and len(alone["comparisons"]) == 5
+    assert "against `ln`" not in (tmp_path / "no-ln" / "report.md").read_text()

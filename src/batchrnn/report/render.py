@@ -6,7 +6,7 @@ import math
 from batchrnn.config import Impl
 from batchrnn.protocol import can_widen
 from batchrnn.report.stats import ALPHA, RESAMPLES
-from batchrnn.report.summary import DEPTH, DRIFT, NONE, Summary, short, shown, value
+from batchrnn.report.summary import BUILDS_ON, DEPTH, DRIFT, NONE, Summary, short, shown, value
 
 FAMILY_WISE = f"a family-wise {ALPHA:.0%} level, Holm–Bonferroni"
 
@@ -236,8 +236,12 @@ def pair(c: dict) -> str:
 def head_to_head(summary: Summary) -> list[str]:
     if not summary.comparisons:
         return [significance(summary)]
-    lines = ["Within each group, every placement against `none`, and exact DS2 (`seqwise`) against every other "
-             "placement. ΔWER is the first minus the second (negative: the first is better); faster: the one that "
+    present = {r["bn"] for r in summary.rows}
+    builds = [f"`{a}` against `{b}`" for a, b in BUILDS_ON.items() if {a, b} <= present]
+    pairs = ["every placement against `none`", "exact DS2 (`seqwise`) against every other placement",
+             *(f"{pair} (a step loop against the fused variant it adds to)" for pair in builds)]
+    lines = [f"Within each group, {', '.join(pairs[:-1])} and {pairs[-1]}. "
+             "ΔWER is the first minus the second (negative: the first is better); faster: the one that "
              "reaches the group's validation threshold (next section) at least half an epoch sooner, by the means, "
              "not a test (\"unclear\": the sooner mean is a lower bound, a seed of it never reached the threshold).",
              "",

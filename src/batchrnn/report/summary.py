@@ -26,8 +26,11 @@ RNN, BN, IMPL, DEPTH = "model.rnn", "model.bn", "model.impl", "model.num_layers"
 COMPUTED = "device"
 RNN_ORDER, BN_ORDER, IMPL_ORDER = ([m.value for m in e] for e in (RNNType, BNMode, Impl))
 NONE, EXACT = BNMode.none.value, BNMode.seqwise.value
-# Head to head, per group: every variant against `none`, and exact DS2 against every other placement.
+# Head to head, per group: every variant against `none`, and exact DS2 against every other placement;
+# and a step-loop variant against the fused one it adds to, whose price it must earn: the full LayerNorm
+# RNN (LN of U h and the cell too) against LN of W x alone.
 REFERENCES = (NONE, EXACT)
+BUILDS_ON = {BNMode.ln_full.value: BNMode.ln.value}
 METRICS = ("test_wer", "test_cer", "best_val_wer", "epoch_time_s", "peak_mem_mb")
 # A "running" run with no file written for this long has no live owner: it was stopped (a signal, a
 # lost job). Generous, since a results file is written once an epoch and validation is not timed.
@@ -429,22 +432,31 @@ def add_speed(group: list[dict]) -> None:
 
 
 def compare(groups: dict) -> tuple[list[dict], list[str]]:
-    """Within each group, every variant against `none` and `seqwise` against every other, by the paired
-    two-level bootstrap; Holm's correction over the whole family. Each row gets its comparison with `none`.
-    Also, per group with more than one row, the references it has no finished row of."""
+    """Within each group, every variant against `none` and `seqwise` against every other, and each variant of
+    BUILDS_ON against the one it builds on, by the paired two-level bootstrap; Holm's correction over the whole
+    family. Each row gets its comparison with `none`. Also, per group with more than one row, the references
+    it has no finished row of."""
     out, vs_none, unpaired = [], [], []
     for group, members in groups.items():
         seen = set()
+
+        def add(a: dict, b: dict) -> bool:
+            if a is b or (pair := frozenset((a["label"], b["label"]))) in seen:
+                return False
+            seen.add(pair)
+            out.append(comparison(a, b))
+            return True
+
         for reference in REFERENCES:
             b = baseline(members, reference)
             if b is None and len(members) > 1:
                 unpaired.append(f"{group}: no finished `{reference}` row, so no comparison with it")
             for a in members if b else []:
-                if a is not b and (pair := frozenset((a["label"], b["label"]))) not in seen:
-                    seen.add(pair)
-                    out.append(comparison(a, b))
-                    if reference == NONE:
-                        vs_none.append((a, out[-1]))
+                if add(a, b) and reference == NONE:
+                    vs_none.append((a, out[-1]))
+        for a in members:
+            if a["bn"] in BUILDS_ON and (b := baseline(members, BUILDS_ON[a["bn"]])) is not None:
+                add(a, b)
     tested = [c for c in out if c["p"] is not None]
     for c, p in zip(tested, holm([c["p"] for c in tested])):
         c["p_holm"], c["significant"] = p, p < ALPHA

@@ -236,8 +236,9 @@ def pair(c: dict) -> str:
 def head_to_head(summary: Summary) -> list[str]:
     if not summary.comparisons:
         return [significance(summary)]
-    present = {r["bn"] for r in summary.rows}
-    builds = [f"`{a}` against `{b}`" for a, b in BUILDS_ON.items() if {a, b} <= present]
+    bn_of = {r["label"]: r["bn"] for r in summary.rows}
+    made = {(bn_of[c["a"]], bn_of[c["b"]]) for c in summary.comparisons}  # the pairs compare() made, not guessed
+    builds = [f"`{a}` against `{b}`" for a, b in BUILDS_ON.items() if (a, b) in made]
     pairs = ["every placement against `none`", "exact DS2 (`seqwise`) against every other placement",
              *(f"{pair} (a step loop against the fused variant it adds to)" for pair in builds)]
     lines = [f"Within each group, {', '.join(pairs[:-1])} and {pairs[-1]}. "

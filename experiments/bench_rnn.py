@@ -29,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from batchrnn.config import BNMode, Impl  # noqa: E402
 from batchrnn.model import build_recurrent_layer  # noqa: E402
-from batchrnn.rnn import LAYERS  # noqa: E402
+from batchrnn.rnn import LAYERS, backend  # noqa: E402
 
 # Step loops (the cells reference, ln_full, rbn) after the fused variants; --no-cells skips them.
 LOOPS = [(BNMode.seqwise, Impl.cells)] + [(bn, Impl.fused) for bn, layer in LAYERS.items() if not layer.fused]
@@ -171,8 +171,8 @@ def main(argv: list[str] | None = None) -> None:
           f"bidirectional, {'bf16 autocast' if args.amp else 'float32'}, "
           f"{'ragged' if args.ragged else 'full'} lengths, median of {args.repeats} interleaved rounds")
     print(f"{'rnn':5} {'bn':8} {'impl':6} {'ms':>9} {'peak MB':>9} {'time x':>7} {'mem x':>7}")
-    for r in rows:  # ln_full's impl is its only one, a step loop: "loop" says so where "fused" would not
-        impl = "loop" if r["loop"] and r["impl"] == Impl.fused.value else r["impl"]
+    for r in rows:
+        impl = backend(r["bn"], r["impl"])
         print(f"{r['rnn']:5} {r['bn']:8} {impl:6} {r['ms']:9.1f} {r['peak_mb']:9.1f} "
               f"{r['time_ratio']:7.2f} {r['mem_ratio']:7.2f}")
     for r in rows:

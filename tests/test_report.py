@@ -653,6 +653,7 @@ def test_the_full_layernorm_rnn_is_compared_with_the_fused_ln_it_adds_to(tmp_pat
     assert ("gru-ln_full", "gru-ln") in pairs and len(pairs) == 4 + 3 + 1  # 4 vs none, 3 vs seqwise, ln_full vs ln
     assert "and `ln_full` against `ln` (a step loop against the fused variant it adds to)" in report.read_text()
     assert "Holm–Bonferroni over the 8 comparisons" in report.read_text()
+    assert "| gru | ln_full | loop |" in report.read_text(), "ln_full is a step loop: its impl column says so"
 
     main([str(tmp_path), "--out", str(tmp_path / "no-ln"), "--only", "model.bn=none,input,seqwise,ln_full"])
     alone = json.loads((tmp_path / "no-ln" / "report.json").read_text())

@@ -1,5 +1,8 @@
 """Every recurrent variant: shapes, gradients, padding invariance, stable names, and each fold's exactness."""
 import inspect
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -71,6 +74,28 @@ def test_every_variant_runs_under_bf16_autocast(rnn, bn, kw):
     y.float().square().sum().backward()
     assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()
     assert all(torch.isfinite(p.grad).all() for p in m.parameters())
+
+
+BF16_ON_AVX2 = """
+import torch
+from batchrnn.model import build_recurrent_layer
+from batchrnn.rnn import onednn_has_bf16
+assert not onednn_has_bf16(), "ONEDNN_MAX_CPU_ISA=AVX2 should leave oneDNN without bf16"
+m = build_recurrent_layer("lstm", "seqwise", 5, 4)
+x = torch.randn(9, 3, 5, requires_grad=True)
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    y = m(x, torch.tensor([9, 5, 2]))
+y.float().square().sum().backward()
+assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()
+"""
+
+
+def test_bf16_autocast_runs_where_onednn_has_no_bf16_kernel():
+    """CI's CPU (AVX2) has no oneDNN bf16 LSTM: autocast handed it bf16 and it failed, `could not create a
+    primitive descriptor`. oneDNN capped at AVX2 shows that CPU here, in a fresh process."""
+    env = os.environ | {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+    run = subprocess.run([sys.executable, "-c", BF16_ON_AVX2], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 def perturbed(m: nn.Module) -> nn.Module:

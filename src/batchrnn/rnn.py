@@ -247,6 +247,16 @@ def fused_kernel(rnn: RNNType, input_size: int, hidden_size: int) -> nn.RNNBase:
     return KERNELS[rnn](input_size, hidden_size, device="meta")
 
 
+@functools.cache
+def onednn_has_bf16() -> bool:
+    """Whether oneDNN, torch's CPU LSTM kernel, computes bf16 on this CPU (AVX512 and newer; honours
+    ONEDNN_MAX_CPU_ISA). Where it does not (AVX2 and older), torch's CPU autocast still hands the LSTM
+    bf16 tensors and oneDNN refuses them: `could not create a primitive descriptor for the LSTM forward
+    propagation primitive`."""
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # what torch's own tests ask
+    return probe is None or bool(probe())
+
+
 def fused_recurrence(rnn: RNNType, x, w_ih, b_ih, w_hh, b_hh, training: bool) -> torch.Tensor:
     """One direction over the whole padded batch with the library's fused kernel (cuDNN on CUDA)."""
     if rnn is RNNType.rnn:
@@ -256,6 +266,12 @@ def fused_recurrence(rnn: RNNType, x, w_ih, b_ih, w_hh, b_hh, training: bool) ->
     # parameter, or of a fold both directions read, that would bump a version the other direction's
     # backward checks; copies keep them out of it (the weights only, next to the kernel's own copy).
     weights = dict(zip(KERNEL_WEIGHTS, (t.clone() for t in (w_ih, w_hh, b_ih, b_hh))))
+    if x.device.type == "cpu" and torch.is_autocast_enabled("cpu") and not onednn_has_bf16():
+        # bf16 autocast on a CPU whose oneDNN has no bf16 kernel: the recurrence in float32 instead of an
+        # error (the trainer refuses train.cpu_bf16 there anyway; this keeps tests and benches running).
+        with torch.autocast("cpu", enabled=False):
+            weights = {k: full_precision(t) for k, t in weights.items()}
+            return torch.func.functional_call(kernel, weights, (full_precision(x),))[0]
     return torch.func.functional_call(kernel, weights, (x,))[0]
 
 
@@ -690,3 +706,9 @@ LAYERS: dict[BNMode, type[RecurrentLayer]] = {
     BNMode.rbn: RecurrentBNLayer,
     BNMode.wn: WeightNormLayer,
 }
+
+
+def backend(bn: str, impl: str) -> str:
+    """What computes a variant's recurrence, as tables name it: `fused` (torch's kernel), `cells` (the
+    step-by-step reference), or `loop` where impl=fused builds a variant with no fused route (ln_full, rbn)."""
+    return "loop" if Impl(impl) is Impl.fused and not LAYERS[BNMode(bn)].fused else Impl(impl).value

@@ -5,6 +5,7 @@ import math
 
 from batchrnn.config import Impl
 from batchrnn.protocol import can_widen
+from batchrnn.rnn import backend
 from batchrnn.report.stats import ALPHA, RESAMPLES
 from batchrnn.report.summary import BUILDS_ON, DEPTH, DRIFT, NONE, Summary, short, shown, value
 
@@ -145,7 +146,7 @@ def identity_head(summary: Summary) -> list[str]:
 
 
 def identity(summary: Summary, row: dict) -> list[str]:
-    return ([row["rnn"]] + [str(row["num_layers"])] * summary.depth + [row["bn"], row["impl"]]
+    return ([row["rnn"]] + [str(row["num_layers"])] * summary.depth + [row["bn"], backend(row["bn"], row["impl"])]
             + [value(row["settings"][k]) for k in summary.columns if k != DEPTH])
 
 

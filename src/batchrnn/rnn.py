@@ -252,7 +252,8 @@ def onednn_has_bf16() -> bool:
     """Whether oneDNN, torch's CPU LSTM kernel, computes bf16 on this CPU (AVX512 and newer; honours
     ONEDNN_MAX_CPU_ISA). Where it does not (AVX2 and older), torch's CPU autocast still hands the LSTM
     bf16 tensors and oneDNN refuses them: `could not create a primitive descriptor for the LSTM forward
-    propagation primitive`."""
+    propagation primitive`. Not config.cpu_has_native_bf16 (the trainer's test for train.cpu_bf16): oneDNN also
+    takes bf16 on AVX512 CPUs with no native bf16, converting, which works but is no faster."""
     probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # what torch's own tests ask
     return probe is None or bool(probe())
 

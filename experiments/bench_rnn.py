@@ -5,6 +5,7 @@ machine (other load, turbo, thermal) hits every variant alike.
     python experiments/bench_rnn.py                       # batch 16, 200 frames, 3 layers, hidden 256
     python experiments/bench_rnn.py --device cuda --hidden 1024 --layers 5 --amp
     python experiments/bench_rnn.py --quick               # 10-20 s: checks the script, numbers mean little
+    python experiments/bench_rnn.py --kernels             # GRU/LSTM and GFLOP/s at the an4_cpu shape, 2 and 1 threads
 
 The defaults take about 3 minutes on 2 CPU cores; after its first round it prints its own estimate.
 
@@ -27,13 +28,14 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from batchrnn.config import BNMode, Impl  # noqa: E402
+from batchrnn.config import BNMode, Impl, RNNType  # noqa: E402
 from batchrnn.model import build_recurrent_layer  # noqa: E402
-from batchrnn.rnn import LAYERS, backend  # noqa: E402
+from batchrnn.rnn import GATES, LAYERS, backend  # noqa: E402
 
 # Step loops (the cells reference, ln_full, rbn) after the fused variants; --no-cells skips them.
 LOOPS = [(BNMode.seqwise, Impl.cells)] + [(bn, Impl.fused) for bn, layer in LAYERS.items() if not layer.fused]
 VARIANTS = [(bn, Impl.fused) for bn, layer in LAYERS.items() if layer.fused] + LOOPS
+AN4_CPU = {"frames": 67, "input": 512, "hidden": 256, "layers": 3, "batch": 16}  # --kernels: the an4_cpu stack
 QUICK = {"frames": 20, "hidden": 32, "layers": 2, "repeats": 2, "warmup": 1}  # --quick; flags given still win
 
 
@@ -102,6 +104,72 @@ def peak_mb(model, x, lengths, device, amp) -> float:
     return (static_bytes(model, x) + peak) / 2**20
 
 
+def gemm_gflops(device, size=2048, repeats=5) -> float:
+    """A large float32 GEMM's GFLOP/s at the current thread count: what this machine's BLAS can reach."""
+    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
+    times = []
+    for r in range(repeats + 1):
+        sync(device)
+        start = time.perf_counter()
+        a @ b
+        sync(device)
+        if r:
+            times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times) / 1e9
+
+
+def recurrence_flops(rnn, args) -> float:
+    """Forward plus backward floating-point operations of a stack's recurrences: per layer and direction the
+    multiply-adds of W x and U h over every padded frame (what the kernels compute), three times over (forward;
+    the input and state gradients; the weight gradients), two flops each. Gate arithmetic and BN not counted."""
+    gates = GATES[RNNType(rnn)] * args.hidden
+    sizes = [args.input or args.hidden] + [args.hidden] * (args.layers - 1)
+    macs = sum(args.frames * args.batch * gates * (d_in + args.hidden) for d_in in sizes)
+    return 2 * 3 * 2 * macs  # flops per MAC, forward + 2 backward GEMMs, 2 directions
+
+
+def kernels(args, device, x, lengths) -> None:
+    """--kernels: the GRU against the LSTM, bn none and seqwise, interleaved in one run, at each thread count;
+    with each stack's GFLOP/s beside a large GEMM's, and torch's own CPU GRU (what cpu_gru replaces)."""
+    from unittest import mock
+
+    from batchrnn import cpu_gru
+    rows = [("gru", BNMode.none), ("lstm", BNMode.none), ("gru", BNMode.seqwise), ("lstm", BNMode.seqwise)]
+    models = {(rnn, bn): Stack(rnn, bn, Impl.fused, args).to(device).train() for rnn, bn in rows}
+    torch_gru = device.type == "cpu" and cpu_gru.available()
+    if torch_gru:  # the same weights through torch's kernel
+        models[("gru-torch", BNMode.none)] = models[("gru", BNMode.none)]
+    print(f"bench --kernels: GRU kernel {cpu_gru.kernel_name() if device.type == 'cpu' else 'cudnn'}; "
+          f"batch {args.batch}, frames {args.frames} ({'ragged' if args.ragged else 'full'}), layers {args.layers}, "
+          f"input {args.input or args.hidden}, hidden {args.hidden}, bidirectional, float32, "
+          f"median of {args.repeats} interleaved rounds", flush=True)
+    for threads in [int(t) for t in args.thread_list.split(",")]:
+        torch.set_num_threads(threads)
+        times = {k: [] for k in models}
+        for r in range(args.warmup + args.repeats):
+            for (rnn, bn), model in models.items():
+                off = mock.patch.object(cpu_gru, "available", lambda: False) if rnn == "gru-torch" else contextlib.nullcontext()
+                with off:
+                    model.zero_grad(set_to_none=True)
+                    sync(device)
+                    start = time.perf_counter()
+                    step(model, x, lengths)
+                    sync(device)
+                if r >= args.warmup:
+                    times[(rnn, bn)].append(time.perf_counter() - start)
+        ms = {k: 1000 * statistics.median(v) for k, v in times.items()}
+        gemm = gemm_gflops(device)
+        print(f"threads {threads}: a 2048^3 float32 GEMM reaches {gemm:.0f} GFLOP/s")
+        print(f"  {'rnn':9} {'bn':8} {'ms':>8} {'GFLOP/s':>8} {'of GEMM':>8} {'x lstm':>7}")
+        for (rnn, bn), t in ms.items():
+            gflops = recurrence_flops(rnn.split("-")[0], args) / (t / 1000) / 1e9
+            ratio = t / ms[("lstm", bn)]
+            print(f"  {rnn:9} {bn.value:8} {t:8.1f} {gflops:8.1f} {gflops / gemm:8.0%} {ratio:7.2f}")
+            print(json.dumps({"threads": threads, "rnn": rnn, "bn": bn.value, "ms": round(t, 2),
+                              "gflops": round(gflops, 1), "gemm_gflops": round(gemm, 1),
+                              "ratio_to_lstm": round(ratio, 3)}))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rnn", default="gru,lstm", help="comma-separated rnn types")
@@ -121,7 +189,14 @@ def main(argv: list[str] | None = None) -> None:
     quick = ", ".join(f"--{k} {v}" for k, v in QUICK.items())
     p.add_argument("--quick", action="store_true", help=f"a tiny run to check the script in seconds: {quick}")
     p.add_argument("--amp", action="store_true", help="bf16 autocast, as train.amp on CUDA (default: float32)")
+    p.add_argument("--kernels", action="store_true", help="the GRU/LSTM ratio and GFLOP/s instead, bn none and "
+                   f"seqwise at the an4_cpu shape ({', '.join(f'--{k} {v}' for k, v in AN4_CPU.items())}, ragged) "
+                   "at each of --thread-list")
+    p.add_argument("--thread-list", default="2,1", help="--kernels: the thread counts, each timed in turn")
     args = p.parse_args(argv)
+    if args.kernels:
+        p.set_defaults(**AN4_CPU, ragged=True, repeats=20, warmup=3)
+        args = p.parse_args(argv)
     if args.quick:
         p.set_defaults(**QUICK)
         args = p.parse_args(argv)
@@ -133,6 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     lengths = torch.full((args.batch,), args.frames, device=device)
     if args.ragged:
         lengths = torch.linspace(args.frames // 2, args.frames, args.batch, device=device).long()
+    if args.kernels:
+        return kernels(args, device, x, lengths)
     chosen = {BNMode(b) for b in args.bn.split(",") if b} | {BNMode.none}
     variants = [v for v in VARIANTS if not (args.no_cells and v in LOOPS) and (not args.bn or v[0] in chosen)]
     rows = []

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from batchrnn import cpu_gru
 from batchrnn.checkpoint import load_model
 from batchrnn.metrics import error_rates
 from batchrnn.rundir import BEST, CHECKPOINT, LOG, RESULTS, RunFolder
@@ -37,6 +38,7 @@ def test_smoke_run_writes_results(smoke, tmp_path):
     assert (saved["test_wer"], saved["test_cer"]) == pytest.approx(error_rates(list(refs), list(hyps)))  # scored once, kept
     assert saved["params"] == sum(p.numel() for p in load_model(tmp_path / BEST)[0].parameters())
     assert saved["device"] == "cpu" and saved["machine"]
+    assert saved["rnn"] == "gru" and saved["recurrence_kernel"] == cpu_gru.kernel_name()  # identity cannot see it
     assert saved["preset"] is None  # named by src/run.py from the experiment choice
     assert len(saved["test_utterances"]) == 12
     assert results["test_wer"] == saved["test_wer"]

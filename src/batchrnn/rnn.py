@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchrnn import cpu_gru
 from batchrnn.config import BNMode, Impl, ModelConfig, RNNType
 
 GATES = {RNNType.gru: 3, RNNType.lstm: 4, RNNType.rnn: 1}
@@ -259,9 +260,17 @@ def onednn_has_bf16() -> bool:
 
 
 def fused_recurrence(rnn: RNNType, x, w_ih, b_ih, w_hh, b_hh, training: bool) -> torch.Tensor:
-    """One direction over the whole padded batch with the library's fused kernel (cuDNN on CUDA)."""
+    """One direction over the whole padded batch with a fused kernel: cuDNN on CUDA; on the CPU oneDNN's (torch's
+    LSTM, batchrnn.cpu_gru's GRU), or torch's step loop where cpu_gru cannot load."""
     if rnn is RNNType.rnn:
         return cell_loop(rnn, torch.addmm(b_ih, x.flatten(0, 1), w_ih.t()).view(*x.shape[:2], -1), affine(w_hh, b_hh))
+    if rnn is RNNType.gru and x.device.type == "cpu" and cpu_gru.available():
+        # torch's CPU GRU is ATen's step loop; oneDNN's lbr_gru is the same function, fused (batchrnn.cpu_gru).
+        # Under bf16 autocast it stays float32, as torch's GRU does. float64 (the exactness tests) runs torch's.
+        with torch.autocast("cpu", enabled=False):
+            args = [full_precision(t) for t in (x, w_ih, b_ih, w_hh, b_hh)]
+            if all(t.dtype == torch.float32 for t in args):
+                return cpu_gru.recurrence(*args)
     kernel = fused_kernel(rnn, x.shape[-1], w_hh.shape[1]).train(training)
     # On CUDA the module flattens the weights it is handed into one buffer in place (set_). On a view of a
     # parameter, or of a fold both directions read, that would bump a version the other direction's
@@ -315,6 +324,15 @@ class RecurrentLayer(nn.Module):
     @property
     def step_loop(self) -> bool:
         return self.impl is Impl.cells or not self.fused
+
+    def recurrence_kernel(self, device: torch.device) -> str:
+        """What runs this layer's float32 recurrence on device, as results.json records it: run identity
+        cannot see it (a machine without the oneDNN GRU trains the same run with torch's)."""
+        if self.step_loop or self.rnn is RNNType.rnn:
+            return "step loop"
+        if device.type == "cuda":
+            return "cudnn"
+        return cpu_gru.kernel_name() if self.rnn is RNNType.gru else "onednn lstm (torch)"
 
     def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         mask = valid_mask(lengths, x.shape[0], x.dtype)  # (T, N, 1)

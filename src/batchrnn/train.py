@@ -277,6 +277,7 @@ def results_of(cfg: DictConfig, preset: str | None, run: Run, progress: Progress
         "peak_mem_mb": max((r["peak_mem_mb"] for r in progress.history), default=None),
         "params": run.params, "device": run.device.type, "machine": machine(run.device), "bf16": run.bf16,
         "torch_version": torch.__version__, "threads": torch.get_num_threads(),  # train.threads 0: torch's default
+        "recurrence_kernel": run.model.rnns[0].recurrence_kernel(run.device),
         "skipped_steps": progress.skipped_steps, "ctc_skipped_utterances": run.ctc_skipped,
         "corpus": run.corpus_summary,
     }

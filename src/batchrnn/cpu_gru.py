@@ -1,0 +1,159 @@
+"""The CPU GRU's fused kernel: oneDNN's lbr_gru (csrc/onednn_gru.cpp), built as a torch C++ extension.
+
+torch sends only its LSTM to oneDNN; its CPU GRU runs ATen's step loop, about 1.7x the LSTM's time at the
+an4_cpu shape. oneDNN's lbr_gru ("linear before reset") is exactly torch's GRU and runs a direction's whole time
+loop in one call, forward and backward. It comes from PyPI's onednn-cpu-gomp (the library, on GNU OpenMP like
+torch, so both share torch's one thread pool) and onednn-devel-cpu-gomp (its headers); `make venv` builds the
+extension into the virtual environment, and a process that finds it unbuilt builds it once (about 40 s).
+
+Where it cannot be built or loaded, the CPU GRU falls back to torch's own kernel with one warning saying why.
+BATCHRNN_CPU_GRU=aten chooses torch's kernel on purpose (to compare the two); results.json records which ran.
+Only float32 goes through oneDNN (its RNNs have no float64): float64, as the exactness tests use, runs torch's.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+ENV = "BATCHRNN_CPU_GRU"  # onednn (the default) or aten
+SOURCE = Path(__file__).with_name("csrc") / "onednn_gru.cpp"
+NAME = "batchrnn_onednn_gru"
+log = logging.getLogger(__name__)
+FIX = ("reinstall with `make venv` (it installs onednn-cpu-gomp, onednn-devel-cpu-gomp and ninja and builds the "
+       "kernel), or set BATCHRNN_CPU_GRU=aten to silence this")
+
+
+def build_directory() -> Path:
+    """Inside the virtual environment, so that each checkout's .venv holds the kernel built from its own source."""
+    return Path(sys.prefix) / "share" / "batchrnn" / NAME
+
+
+def build(verbose: bool = False):
+    """Compile (when the source, flags or torch changed) and import the extension; raises with the reason."""
+    prefix = Path(sys.prefix)
+    if not (prefix / "include" / "oneapi" / "dnnl" / "dnnl.hpp").exists():
+        raise RuntimeError(f"oneDNN's headers are not in {prefix / 'include'} (onednn-devel-cpu-gomp is not installed)")
+    if not any((prefix / "lib").glob("libdnnl.so*")):
+        raise RuntimeError(f"oneDNN's library is not in {prefix / 'lib'} (onednn-cpu-gomp is not installed)")
+    try:  # PyPI's ninja puts its binary beside the interpreter's scripts, which need not be on PATH
+        import ninja
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+    quiet = logging.getLogger("torch.utils.cpp_extension")  # "No CUDA runtime is found": true, and beside the point
+    level, quiet.level = quiet.level, logging.ERROR
+    try:
+        from torch.utils.cpp_extension import load
+    finally:
+        quiet.setLevel(level)
+
+    directory = build_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    if not any(directory.glob(f"{NAME}*.so")):
+        log.warning("building the oneDNN CPU GRU kernel into %s (once per environment, about a minute)", directory)
+    return load(NAME, [str(SOURCE)], build_directory=str(directory), verbose=verbose, extra_cflags=["-O2"],
+                extra_include_paths=[str(prefix / "include")],
+                extra_ldflags=[f"-L{prefix / 'lib'}", "-ldnnl", f"-Wl,-rpath,{prefix / 'lib'}"])
+
+
+@functools.cache
+def extension():
+    """The loaded extension, or None: BATCHRNN_CPU_GRU=aten, or it could not be built (one warning, naming why)."""
+    choice = os.environ.get(ENV, "onednn")
+    if choice not in ("onednn", "aten"):
+        raise ValueError(f"{ENV}={choice!r}: expected onednn (the default) or aten")
+    if choice == "aten":
+        return None
+    try:
+        return build()
+    except Exception as e:  # a missing compiler, library or header: the run goes on with torch's kernel
+        warnings.warn(f"batchrnn: the oneDNN CPU GRU kernel is unavailable ({type(e).__name__}: "
+                      f"{str(e).strip().splitlines()[-1] if str(e).strip() else e}); the CPU GRU runs torch's "
+                      f"step loop instead, about 2x slower. Fix: {FIX}.", RuntimeWarning, stacklevel=2)
+        return None
+
+
+def available() -> bool:
+    return extension() is not None
+
+
+def kernel_name() -> str:
+    """What the CPU GRU's float32 recurrence runs, as results.json records it."""
+    ext = extension()
+    return f"onednn lbr_gru {ext.version()}" if ext is not None else "aten"
+
+
+class Workspaces:
+    """Spare oneDNN workspaces, handed back by each backward for the next forward. A workspace holds a
+    direction's gates and states for every step (30 MB at the an4_cpu shape). Allocated fresh, blocks that large
+    come from the OS page by page on every step, which cost the GRU a tenth of its time. Each is as large as the
+    largest yet asked for, so that one fits every batch length; the pool keeps at most as many as were ever in
+    use at once."""
+
+    def __init__(self):
+        self.spare: list[torch.Tensor] = []
+        self.in_use = self.most_in_use = self.largest = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        self.in_use += 1
+        self.most_in_use = max(self.most_in_use, self.in_use)
+        fits = [w for w in self.spare if w.numel() >= nbytes]
+        if fits:
+            self.spare.remove(fits[0])
+            return fits[0]
+        self.largest = max(self.largest, nbytes)
+        return torch.empty(self.largest, dtype=torch.uint8)
+
+    def give(self, workspace: torch.Tensor) -> None:
+        self.in_use = max(self.in_use - 1, 0)
+        if workspace.numel() == self.largest:  # smaller ones would not fit the longest batches
+            self.spare.append(workspace)
+        self.spare = [w for w in self.spare if w.numel() == self.largest][-self.most_in_use:]
+
+
+WORKSPACES = Workspaces()
+
+
+class LbrGRU(torch.autograd.Function):
+    """One direction, h0 = 0, over the padded (T, N, D) batch: nn.GRU's function, through oneDNN."""
+
+    @staticmethod
+    def forward(ctx, x, w_ih, w_hh, b_ih, b_hh):
+        training = any(ctx.needs_input_grad)  # forward runs with grad off; keep the workspace if backward comes
+        spare = WORKSPACES.take(extension().workspace_bytes(*x.shape, w_hh.shape[1])) if training else None
+        y, workspace = extension().forward(x, w_ih, w_hh, b_ih, b_hh, training, spare)
+        ctx.save_for_backward(x, w_ih, w_hh, b_ih, b_hh, y)
+        ctx.workspace = workspace
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        if ctx.workspace is None:
+            raise RuntimeError("LbrGRU: backward ran twice through one forward (retain_graph=True), but its "
+                               "workspace went back to the pool after the first; run the forward again")
+        grads = extension().backward(grad, *ctx.saved_tensors, ctx.workspace)
+        WORKSPACES.give(ctx.workspace)
+        ctx.workspace = None
+        return tuple(grads)
+
+
+def recurrence(x, w_ih, b_ih, w_hh, b_hh) -> torch.Tensor:
+    """y (T, N, H) of one direction (rnn.fused_recurrence's argument order); float32 CPU tensors."""
+    return LbrGRU.apply(x.contiguous(), *(t.contiguous() for t in (w_ih, w_hh, b_ih, b_hh)))
+
+
+if __name__ == "__main__":  # `make venv` runs this: build now, not in a run's first step
+    try:
+        build(verbose="-v" in sys.argv)
+    except Exception as e:
+        print(f"batchrnn: could not build the oneDNN CPU GRU kernel: {e}\nThe CPU GRU will run torch's step loop "
+              f"(about 2x slower). Fix: {FIX}.", file=sys.stderr)
+        sys.exit(0 if "--allow-fallback" in sys.argv else 1)
+    print(f"batchrnn: CPU GRU kernel {kernel_name()} built in {build_directory()}")

@@ -30,7 +30,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from batchrnn.config import BNMode, Impl, RNNType  # noqa: E402
 from batchrnn.model import build_recurrent_layer  # noqa: E402
-from batchrnn.rnn import GATES, LAYERS, backend  # noqa: E402
+from batchrnn.layers import LAYERS, backend  # noqa: E402
+from batchrnn.layers.base import GATES
 
 # Step loops (the cells reference, ln_full, rbn) after the fused variants; --no-cells skips them.
 LOOPS = [(BNMode.seqwise, Impl.cells)] + [(bn, Impl.fused) for bn, layer in LAYERS.items() if not layer.fused]
@@ -133,7 +134,7 @@ def kernels(args, device, x, lengths) -> None:
     with each stack's GFLOP/s beside a large GEMM's, and torch's own CPU GRU (what cpu_gru replaces)."""
     from unittest import mock
 
-    from batchrnn import cpu_gru
+    from batchrnn.layers import cpu_gru
     rows = [("gru", BNMode.none), ("lstm", BNMode.none), ("gru", BNMode.seqwise), ("lstm", BNMode.seqwise)]
     models = {(rnn, bn): Stack(rnn, bn, Impl.fused, args).to(device).train() for rnn, bn in rows}
     torch_gru = device.type == "cpu" and cpu_gru.available()

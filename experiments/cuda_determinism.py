@@ -18,9 +18,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from batchrnn.features import Featurizer  # noqa: E402
+from batchrnn.data.features import Featurizer  # noqa: E402
 from batchrnn.model import DeepSpeech2, build_recurrent_layer  # noqa: E402
-from batchrnn.text import LABELS  # noqa: E402
+from batchrnn.data.text import LABELS  # noqa: E402
 
 
 def twice(step) -> float:

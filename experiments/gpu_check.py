@@ -58,8 +58,8 @@ def environment(dry_run: bool) -> dict:
 
 def prepare(cfg) -> dict:
     """The corpus and the feature cache the runs read, computed before any GPU step."""
-    from batchrnn.data import prepare_corpus
-    from batchrnn.features import cache_path, load_features
+    from batchrnn.data.corpus import prepare_corpus
+    from batchrnn.data.features import cache_path, load_features
 
     corpus = prepare_corpus(cfg.data)
     sizes = {s: len(load_features(corpus, s, cfg.data)) for s in corpus.splits}
@@ -70,7 +70,7 @@ def prepare(cfg) -> dict:
 
 def plan(args, cfg) -> list[dict]:
     """Every step, in order: a name, and for all but prepare the command that runs it."""
-    from batchrnn.features import Featurizer
+    from batchrnn.data.features import Featurizer
     from batchrnn.model import ConvFrontEnd
 
     mode, py, device = ("dry" if args.dry_run else "gpu"), sys.executable, ("cpu" if args.dry_run else "cuda")
@@ -251,7 +251,7 @@ def main() -> None:
     args.experiment, args.epochs = ("smoke", 1) if args.dry_run else ("an4_gpu", 2)
     args.data_root = str(Path(args.data_root).resolve())  # the same folder for this process and the runs
     if args.prepare_only:
-        from batchrnn.data import DataError
+        from batchrnn.data.corpus import DataError
 
         try:
             print(json.dumps(prepare(compose(args.experiment, args.data_root)), indent=1))

@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from batchrnn.checkpoint import load_model, model_of
+from batchrnn.training.checkpoint import load_model, model_of
 from batchrnn.config import Config
-from batchrnn.features import collate, make_batches
-from batchrnn.protocol import LR, settings
-from batchrnn.train import Run, ctc_loss
+from batchrnn.data.features import collate, make_batches
+from batchrnn.training.identity import LR, settings
+from batchrnn.training.loop import Run, ctc_loss
 
 PHASES = ("augment", "buffers", "forward", "backward", "clip", "optimizer")
 

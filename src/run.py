@@ -4,11 +4,11 @@
     python src/run.py -m model.rnn=gru,lstm model.bn=seqwise,post,none
 
 Without `experiment=`, the preset of the machine at hand: an4_gpu with CUDA, else an4_cpu. Each run
-writes to runs/<study>/<its name from its resolved settings>/ (batchrnn.protocol.run_name).
+writes to runs/<study>/<its name from its resolved settings>/ (batchrnn.training.identity.run_name).
 
 A problem the user can fix ends in one `error: ...` line and exit status 2 (3: training diverged); a
 sweep goes on past a run that diverged or has a damaged folder and exits with that status at the end,
-whichever launcher ran it (batchrnn.sweep).
+whichever launcher ran it (batchrnn.study.sweep).
 """
 import logging
 import math
@@ -24,9 +24,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from batchrnn.config import ConfigError, register_configs, to_container, validate, with_device_preset
+from batchrnn.config import ConfigError, register_configs, to_container, with_device_preset
+from batchrnn.validation import validate
 from batchrnn.errors import DIVERGED
-from batchrnn.sweep import job_threads, record_failed_job, record_stop
+from batchrnn.study.sweep import job_threads, record_failed_job, record_stop
 
 register_configs()
 log = logging.getLogger("batchrnn")
@@ -67,10 +68,11 @@ def run(cfg: DictConfig) -> float:
         sys.exit(2)
     if cfg.train.threads == 0:  # the job's share of the cores, recorded in results.json
         cfg.train.threads = job_threads(HydraConfig.get().launcher, len(os.sched_getaffinity(0)))
-    from batchrnn.data import DataError  # after validation: a bad value fails before torch loads
-    from batchrnn.protocol import ProtocolError, nothing_to_widen, run_name, stage_lr
-    from batchrnn.rundir import RunError, RunFolder
-    from batchrnn.train import TrainingDiverged, train
+    from batchrnn.data.corpus import DataError  # after validation: a bad value fails before torch loads
+    from batchrnn.study.protocol import ProtocolError, nothing_to_widen, stage_lr
+    from batchrnn.training.identity import run_name
+    from batchrnn.training.rundir import RunError, RunFolder
+    from batchrnn.training.loop import TrainingDiverged, train
 
     hydra_cfg = HydraConfig.get()
     study_dir = Path(hydra_cfg.runtime.output_dir)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from batchrnn import report
+from batchrnn.study import report
 from batchrnn.config import DataConfig
-from batchrnn.data import prepare_corpus
+from batchrnn.data.corpus import prepare_corpus
 from conftest import ROOT
 
 

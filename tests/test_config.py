@@ -5,7 +5,8 @@ import sys
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from batchrnn.config import BNMode, ConfigError, RNNType, validate
+from batchrnn.config import BNMode, ConfigError, RNNType
+from batchrnn.validation import validate
 from batchrnn.model import DeepSpeech2
 from conftest import ROOT
 
@@ -81,7 +82,7 @@ def test_every_schema_default_is_defined_once():
     from omegaconf import OmegaConf
 
     from batchrnn.config import Config
-    from batchrnn.protocol import flatten
+    from batchrnn.training.identity import flatten
 
     defaults = flatten(OmegaConf.to_container(OmegaConf.structured(Config)))
     for path in (ROOT / "conf").rglob("*.yaml"):

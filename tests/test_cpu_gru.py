@@ -1,6 +1,5 @@
-"""The CPU GRU's oneDNN kernel (batchrnn.cpu_gru): torch's GRU function, used by every fused GRU variant, float32
+"""The CPU GRU's oneDNN kernel (batchrnn.layers.cpu_gru): torch's GRU function, used by every fused GRU variant, float32
 under autocast, recorded, and a fallback to torch's kernel with a warning where it cannot be built."""
-import functools
 import os
 import subprocess
 import sys
@@ -10,11 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-import batchrnn.rnn
-from batchrnn import cpu_gru
-from batchrnn.config import BNMode, Impl
+from batchrnn.layers import cpu_gru
 from batchrnn.model import build_recurrent_layer
-from batchrnn.rnn import LAYERS
+from batchrnn.layers import LAYERS
+from batchrnn.layers.base import KERNEL_WEIGHTS
 
 LENGTHS = torch.tensor([23, 17, 9, 2])  # ragged, the longest first as the trainer's buckets are not
 T, N, D, H = 23, 4, 19, 16
@@ -29,9 +27,9 @@ VARIANTS = [pytest.param(b, {}, id=b) for b in FUSED] + [
 @pytest.mark.skipif(not (sys.platform == "linux" and os.uname().machine == "x86_64"),
                     reason="PyPI's oneDNN wheels are for Linux x86-64; elsewhere the CPU GRU is torch's")
 def test_the_kernel_is_built():
-    """`make venv` builds it (python -m batchrnn.cpu_gru); a machine where it failed would train at half speed."""
+    """`make venv` builds it (python -m batchrnn.layers.cpu_gru); a machine where it failed would train at half speed."""
     assert os.environ.get(cpu_gru.ENV, "onednn") == "onednn"
-    assert cpu_gru.available(), "the oneDNN GRU did not build: run .venv/bin/python -m batchrnn.cpu_gru -v"
+    assert cpu_gru.available(), "the oneDNN GRU did not build: run .venv/bin/python -m batchrnn.layers.cpu_gru -v"
     assert cpu_gru.kernel_name().startswith("onednn lbr_gru ")
     assert {"none", "post", "input", "skip", "seqwise", "ln", "wn"} <= set(FUSED)
 
@@ -50,7 +48,7 @@ def test_lbr_gru_is_torchs_gru(shape):
     ours.insert(0, x)
     ref = [p.detach().double().requires_grad_() for p in ours]
     y, y_ref = cpu_gru.recurrence(*ours), torch.func.functional_call(
-        gru, dict(zip(batchrnn.rnn.KERNEL_WEIGHTS, (ref[1], ref[3], ref[2], ref[4]))), (ref[0],))[0]
+        gru, dict(zip(KERNEL_WEIGHTS, (ref[1], ref[3], ref[2], ref[4]))), (ref[0],))[0]
     assert y.dtype == torch.float32
     torch.testing.assert_close(y.double(), y_ref, rtol=1e-5, atol=1e-6)
     weight = torch.linspace(-1, 1, h)
@@ -161,7 +159,7 @@ def test_aten_is_chosen_by_the_environment(monkeypatch, fresh_extension):
 
 FAILED_BUILD = """
 import sys, warnings, torch
-from batchrnn import cpu_gru
+from batchrnn.layers import cpu_gru
 from batchrnn.model import build_recurrent_layer
 cpu_gru.build_directory = lambda: __import__("pathlib").Path(sys.argv[1])
 with warnings.catch_warnings(record=True) as caught:

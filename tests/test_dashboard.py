@@ -4,7 +4,7 @@ import pytest
 import wandb_workspaces.reports.v2 as wr
 import wandb_workspaces.workspaces as ws
 
-from batchrnn import dashboard
+from batchrnn.tracking import dashboard
 
 SWEPT = ["model.rnn", "model.bn", "seed"]
 

@@ -14,11 +14,13 @@ import soundfile as sf
 import torch
 from omegaconf import OmegaConf
 
-from batchrnn import data, features, prepare
+from batchrnn.data import corpus as data
+from batchrnn.data import features
+from batchrnn.data import prepare
 from batchrnn.config import DataConfig
-from batchrnn.data import DataError, Utterance, extract_archive, parse_transcripts, prepare_corpus, read_audio
-from batchrnn.features import FeatureSet, Featurizer, collate, load_features, make_batches
-from batchrnn.text import encode
+from batchrnn.data.corpus import DataError, Utterance, extract_archive, parse_transcripts, prepare_corpus, read_audio
+from batchrnn.data.features import FeatureSet, Featurizer, collate, load_features, make_batches
+from batchrnn.data.text import encode
 from conftest import ROOT
 
 

@@ -11,11 +11,11 @@ import soundfile as sf
 import torch
 from hydra import compose, initialize_config_dir
 
-from batchrnn.checkpoint import load_model
-from batchrnn.data import prepare_corpus
+from batchrnn.training.checkpoint import load_model
+from batchrnn.data.corpus import prepare_corpus
 from batchrnn.model import DeepSpeech2
-from batchrnn.rundir import BEST, RESULTS
-from batchrnn.train import train
+from batchrnn.training.rundir import BEST, RESULTS
+from batchrnn.training.loop import train
 from conftest import ROOT
 
 

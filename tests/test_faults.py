@@ -23,12 +23,15 @@ import soundfile as sf
 import torch
 from hydra import compose, initialize_config_dir
 
-from batchrnn import data, features, tracking
-from batchrnn.config import DataConfig
-from batchrnn.data import DataError, extract_archive, prepare_corpus
-from batchrnn.rundir import BEST, CHECKPOINT, RESULTS, RunError
-from batchrnn.sweep import STOP_FILE
-from batchrnn.train import TrainingDiverged, train
+from batchrnn.data import corpus as data
+from batchrnn.data import features
+from batchrnn.tracking import tracker as tracking
+from batchrnn.config import DataConfig, to_container
+from batchrnn.data.corpus import DataError, extract_archive, prepare_corpus
+from batchrnn.training.rundir import BEST, CHECKPOINT, RESULTS, RunError
+from batchrnn.study.sweep import STOP_FILE
+from batchrnn.training.identity import run_name
+from batchrnn.training.loop import TrainingDiverged, train
 from conftest import ROOT
 from wandb_offline import read_offline_run
 
@@ -349,7 +352,7 @@ def test_data_error_stops_a_sweep_with_one_line(tmp_path):
 
 
 def test_a_run_the_study_started_tells_it_of_an_error_every_run_would_meet(tmp_path, monkeypatch):
-    """src/run.py's side of the study's stop (batchrnn.sweep.record_stop): a corrupt archive is written to the
+    """src/run.py's side of the study's stop (batchrnn.study.sweep.record_stop): a corrupt archive is written to the
     file the study named, so the study starts no more runs (tests/test_protocol.py has the study's side)."""
     bad = tmp_path / "an4_sphere.tar.gz"
     bad.write_bytes(b"not an archive" * 100)
@@ -621,3 +624,47 @@ def test_unknown_key_fails_whatever_its_prefix(tmp_path, typed):
     assert run.returncode == 2 and "Traceback" not in run.stdout + run.stderr
     assert f"error: {key}: no such setting" in run.stdout + run.stderr
     assert not list(tmp_path.rglob(RESULTS))
+
+
+# -- two processes on one run -----------------------------------------------------------------------
+
+HOLD = """
+import sys, time
+from batchrnn.training.rundir import RunFolder
+with RunFolder(sys.argv[1]).lock():
+    print("holding", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_second_process_on_a_run_is_refused_and_a_killed_one_blocks_nothing(smoke, tmp_path):
+    """Another process holds the run folder: train() refuses at once, naming it; once that process is killed
+    with -9, the same run trains (the OS released its lock)."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        started = time.monotonic()
+        with pytest.raises(RunError, match=rf"is being trained by process {holder.pid} on .* since .*; wait for it"):
+            train(smoke(), tmp_path)
+        assert time.monotonic() - started < 60, "refused at once, not after waiting"
+        assert not (tmp_path / RESULTS).exists() and not (tmp_path / CHECKPOINT).exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert train(smoke(), tmp_path)["status"] == "finished"
+
+
+def test_the_command_line_refuses_a_held_run_with_exit_2_and_one_error_line(tmp_path, smoke_root):
+    cfg = config(f"data.root={smoke_root}")
+    folder = tmp_path / "smoke" / run_name(to_container(cfg))
+    folder.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        run = cli("experiment=smoke", f"data.root={smoke_root}", f"hydra.run.dir={tmp_path / 'smoke'}")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert run.returncode == 2, run.stderr[-3000:]
+    errors = [line for line in (run.stdout + run.stderr).splitlines() if "error:" in line]
+    assert len(errors) == 1 and str(folder) in errors[0] and f"process {holder.pid}" in errors[0], errors

@@ -4,7 +4,7 @@ import torch
 
 from batchrnn.config import BNMode
 from batchrnn.model import build_recurrent_layer
-from batchrnn.train import train
+from batchrnn.training.loop import train
 
 pytestmark = [
     pytest.mark.gpu,

@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from batchrnn.config import ConfigError, to_container, validate
-from batchrnn.protocol import ProtocolError, choose_lrs, mismatch, run_name, setting_key, tuned_lr, variant_key
-from batchrnn.study import Pool, expand, jobs, split_studies, stages
-from batchrnn.rundir import RESULTS, read_study
+from batchrnn.config import ConfigError, to_container
+from batchrnn.validation import validate
+from batchrnn.study.protocol import ProtocolError, choose_lrs, tuned_lr
+from batchrnn.training.identity import mismatch, run_name, setting_key, variant_key
+from batchrnn.study.scheduler import Pool, expand, jobs, split_studies, stages
+from batchrnn.training.rundir import RESULTS, read_study
 from conftest import ROOT
 
 

@@ -11,11 +11,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from batchrnn.config import Config
-from batchrnn.report import write_report
-from batchrnn.report.__main__ import main
-from batchrnn.report.plots import DEPTH_PLOT, series
-from batchrnn.report.stats import first_reach, holm, paired_bootstrap, utterance_errors
-from batchrnn.report.summary import DRIFT
+from batchrnn.study.report import write_report
+from batchrnn.study.report.__main__ import main
+from batchrnn.study.report.plots import DEPTH_PLOT, series
+from batchrnn.study.report.stats import first_reach, holm, paired_bootstrap, utterance_errors
+from batchrnn.study.report.summary import DRIFT
 
 PLOTS = ("val_wer.png", "wer_vs_time.png", "peak_mem.png", "grad_norm.png")  # every report draws these
 UTTERANCES = 100  # five words each, so one wrong word is 0.2% of the test set's words

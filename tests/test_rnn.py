@@ -8,11 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-import batchrnn.rnn
+import batchrnn.layers.base
+import batchrnn.layers.batchnorm
+import batchrnn.layers.layernorm
 from batchrnn.config import BNMode, Impl, RNNType
 from batchrnn.model import build_recurrent_layer
-from batchrnn.rnn import (GATES, LAYERS, Gram, MaskedBatchNorm, QuadraticForm, affine, cell_loop, cheaper_route,
-                          fused_recurrence, projected_moments, valid_mask)
+from batchrnn.layers import LAYERS
+from batchrnn.layers.base import GATES, affine, cell_loop, fused_recurrence, valid_mask
+from batchrnn.layers.folds import Gram, MaskedBatchNorm, QuadraticForm, cheaper_route, projected_moments
 
 T, N, D, H = 9, 3, 5, 4
 LENGTHS = torch.tensor([9, 5, 2])
@@ -79,7 +82,7 @@ def test_every_variant_runs_under_bf16_autocast(rnn, bn, kw):
 BF16_ON_AVX2 = """
 import torch
 from batchrnn.model import build_recurrent_layer
-from batchrnn.rnn import onednn_has_bf16
+from batchrnn.layers.base import onednn_has_bf16
 assert not onednn_has_bf16(), "ONEDNN_MAX_CPU_ISA=AVX2 should leave oneDNN without bf16"
 m = build_recurrent_layer("lstm", "seqwise", 5, 4)
 x = torch.randn(9, 3, 5, requires_grad=True)
@@ -118,7 +121,8 @@ def test_fused_matches_cell_reference(monkeypatch, bn, kw, rnn, share, training,
     """The fold (BN, LN or weight norm) through the fused kernel against the variant computed as written,
     step by step: outputs, every gradient and the running statistics, float64, ragged lengths, both
     directions, on both routes to the statistics."""
-    monkeypatch.setattr(batchrnn.rnn, "cheaper_route", lambda *args, **kwargs: route)
+    for module in (batchrnn.layers.batchnorm, batchrnn.layers.layernorm):  # where the folds call it
+        monkeypatch.setattr(module, "cheaper_route", lambda *args, **kwargs: route)
     cells = perturbed(layer(rnn, bn, impl="cells", share_input_weights=share, **kw)).train(training)
     fused = layer(rnn, bn, seed=1, impl="fused", share_input_weights=share, **kw).train(training)
     fused.load_state_dict(cells.state_dict())  # same names: a state dict moves between them
@@ -302,7 +306,7 @@ def t_max_check(name: str) -> bool:
 @pytest.mark.parametrize("rnn", ["gru", "lstm"])
 def test_public_kernel_matches_the_cell_loop(rnn):
     """torch's fused GRU/LSTM through torch.func.functional_call, against the recurrence written out."""
-    assert "_VF" not in inspect.getsource(batchrnn.rnn), "torch._VF is private"
+    assert "_VF" not in inspect.getsource(batchrnn.layers.base), "torch._VF is private"
     torch.manual_seed(0)
     k = GATES[RNNType(rnn)] * H
     x = torch.randn(T, N, D, dtype=torch.float64, requires_grad=True)
@@ -433,7 +437,8 @@ def test_route_follows_cost():
 def test_fold_keeps_float32_accuracy_on_features_with_a_large_mean(monkeypatch, bn, rnn, route):
     """Unit noise plus a per-feature offset up to 10, 100, 1000: the fused fold in float32 stays within 10x
     of the cells' float32 error against float64 (E[z^2] - E[z]^2 gave 2.8e-01 against 5.5e-04 at 1000)."""
-    monkeypatch.setattr(batchrnn.rnn, "cheaper_route", lambda *args, **kwargs: route)
+    for module in (batchrnn.layers.batchnorm, batchrnn.layers.layernorm):  # where the folds call it
+        monkeypatch.setattr(module, "cheaper_route", lambda *args, **kwargs: route)
     t, n, d, h = 60, 8, 128, 64
     lengths = torch.tensor([60, 57, 50, 44, 38, 30, 21, 9])
     torch.manual_seed(0)
@@ -481,7 +486,8 @@ def test_fold_statistics_in_bf16_products_keep_what_centring_saves(monkeypatch, 
     """Under bf16 autocast the folds' per-frame products run in bf16 (product_dtype), on the centred x:
     with a per-feature offset up to 1000, the folded weights, shifts and LN's frame scales stay within 1%
     of float64's (without the centring, E[z^2] - E[z]^2 in bf16 would lose the variance outright)."""
-    monkeypatch.setattr(batchrnn.rnn, "cheaper_route", lambda *args, **kwargs: route)
+    for module in (batchrnn.layers.batchnorm, batchrnn.layers.layernorm):  # where the folds call it
+        monkeypatch.setattr(module, "cheaper_route", lambda *args, **kwargs: route)
     t, n, d, h = 60, 8, 128, 64
     lengths = torch.tensor([60, 57, 50, 44, 38, 30, 21, 9])
     mask = valid_mask(lengths, t, torch.float32)
@@ -494,7 +500,7 @@ def test_fold_statistics_in_bf16_products_keep_what_centring_saves(monkeypatch, 
         want = reference.input_folds(x, mask.double())
         exact = m.input_folds(x.float(), mask)  # float32 products
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert batchrnn.rnn.product_dtype(x.float()) is torch.bfloat16
+            assert batchrnn.layers.base.product_dtype(x.float()) is torch.bfloat16
             got = m.input_folds(x.float(), mask)
         for g, e, w in zip(got, exact, want):
             for name in ("weight", "bias", "frame_scale"):

@@ -10,13 +10,13 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from batchrnn import report
-from batchrnn import train as train_module
+from batchrnn.study import report
+from batchrnn.training import loop as train_module
 from batchrnn.errors import worst
-from batchrnn.sweep import FAILED_DIR, SweepStatus, job_threads
-from batchrnn.rundir import RESULTS
-from batchrnn.train import Progress, Run, train_epoch
-from batchrnn.tracking import Tracker
+from batchrnn.study.sweep import FAILED_DIR, SweepStatus, job_threads
+from batchrnn.training.rundir import RESULTS
+from batchrnn.training.loop import Progress, Run, train_epoch
+from batchrnn.tracking.tracker import Tracker
 from conftest import ROOT
 
 # What may differ between two runs of the same job: the clock, the memory, the machine.

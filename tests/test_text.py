@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from batchrnn.metrics import error_rates
-from batchrnn.text import LABELS, TranscriptError, encode, greedy_decode, normalize
+from batchrnn.data.text import LABELS, TranscriptError, encode, greedy_decode, normalize
 
 
 def test_labels_blank_apostrophe_letters_space():

@@ -6,7 +6,7 @@ import tomllib
 import pytest
 import wandb
 
-from batchrnn import tracking
+from batchrnn.tracking import tracker as tracking
 from batchrnn.config import LoggerConfig, LoggerMode
 from conftest import ROOT
 from wandb_offline import read_offline_run

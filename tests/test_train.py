@@ -6,11 +6,11 @@ import sys
 
 import pytest
 
-from batchrnn import cpu_gru
-from batchrnn.checkpoint import load_model
+from batchrnn.layers import cpu_gru
+from batchrnn.training.checkpoint import load_model
 from batchrnn.metrics import error_rates
-from batchrnn.rundir import BEST, CHECKPOINT, LOG, RESULTS, RunFolder
-from batchrnn.train import train
+from batchrnn.training.rundir import BEST, CHECKPOINT, LOG, RESULTS, RunFolder
+from batchrnn.training.loop import train
 from conftest import ROOT
 from wandb_offline import read_offline_run
 
@@ -120,7 +120,7 @@ def test_sweep_runs_one_job_per_combination_in_a_folder_named_by_its_settings(tm
 
 def scripted_validation(monkeypatch, wers, losses):
     """The trainer's validation scores replaced by the given sequence (the test score after it)."""
-    import batchrnn.train as train_module
+    import batchrnn.training.loop as train_module
 
     rows = iter([{"loss": loss, "wer": wer, "cer": wer, "utterances": []} for wer, loss in zip(wers, losses)])
     monkeypatch.setattr(train_module, "score", lambda *a, **k: next(rows, {"loss": 1.0, "wer": 0.5, "cer": 0.5,

@@ -1,7 +1,7 @@
 """Issue 26 prototype: build experiments/gru_cpu/gru.cpp (a C++ time loop for one GRU direction), check it
 against nn.GRU in float64, then time nn.LSTM, nn.GRU and it interleaved at the an4_cpu layer shape (input 512,
 H 256, batch 16, 67 frames, forward and backward). Run from the repository root: .venv/bin/pip install ninja, then
-T=2 .venv/bin/python experiments/gru_cpu/try_gru.py. Not wired into the package: see experiments/README.md."""
+T=2 .venv/bin/python experiments/gru_cpu/try_gru.py. Not wired into the package: see experiments/cpu_gru.md."""
 import torch, time, sys
 from torch.utils.cpp_extension import load
 t0=time.time()

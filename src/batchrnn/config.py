@@ -38,7 +38,7 @@ class Stage(str, Enum):
     single = "single"  # one run at train.lr as given
     tune = "tune"  # the learning-rate search: train.lr as given, swept over protocol.lrs by the study driver
     widen = "widen"  # train.lr: the rate past the grid's edge where this variant's best lies (protocol.widen)
-    final = "final"  # train.lr replaced by the rate the tuning stage chose for this variant (batchrnn.protocol)
+    final = "final"  # train.lr replaced by the rate the tuning stage chose for this variant (batchrnn.study.protocol)
 
 
 class Impl(str, Enum):
@@ -175,7 +175,7 @@ class LoggerConfig:
 
 @dataclass
 class ProtocolConfig:
-    """The fair-comparison protocol of a study (batchrnn.study runs it, batchrnn.protocol applies it).
+    """The fair-comparison protocol of a study (batchrnn.study runs it, batchrnn.study.protocol applies it).
 
     Stage tune trains every variant at each rate of `lrs` with the `tune_seeds`; each variant keeps the
     rate with the lowest mean best validation WER (never test). Where that rate is the grid's lowest or
@@ -225,82 +225,6 @@ def register_configs() -> None:
 
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the key and the allowed values."""
-
-
-def validate(cfg: Config | DictConfig) -> None:
-    """Checks the schema's types cannot express; raises ConfigError before any work starts."""
-    if isinstance(cfg, DictConfig):
-        check_known_keys(cfg, OmegaConf.structured(Config))
-    m, t, d, p = cfg.model, cfg.train, cfg.data, cfg.protocol
-    positive = {
-        "model.hidden_size": m.hidden_size,
-        "model.num_layers": m.num_layers,
-        "train.epochs": t.epochs,
-        "train.batch_size": t.batch_size,
-        "train.lr": t.lr,
-        "train.max_grad_norm": t.max_grad_norm,
-        "train.max_skipped_steps": t.max_skipped_steps,
-        "data.window_ms": d.window_ms,
-        "data.hop_ms": d.hop_ms,
-    }
-    for key, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"{key}={value}: must be positive")
-    sa = t.spec_augment
-    for key, value in {"train.weight_decay": t.weight_decay, "train.warmup_steps": t.warmup_steps,
-                       "train.patience": t.patience, "train.threads": t.threads, "data.n_mels": d.n_mels,
-                       "train.spec_augment.freq_masks": sa.freq_masks, "train.spec_augment.freq_width": sa.freq_width,
-                       "train.spec_augment.time_masks": sa.time_masks,
-                       "train.spec_augment.time_width": sa.time_width}.items():
-        if value < 0:
-            raise ConfigError(f"{key}={value}: must be 0 or more")
-    if not 0 <= t.patience_loss_drop < 1:
-        raise ConfigError(f"train.patience_loss_drop={t.patience_loss_drop}: must be in [0, 1)")
-    if not 0 < t.lr_gamma <= 1:
-        raise ConfigError(f"train.lr_gamma={t.lr_gamma}: must be in (0, 1]")
-    if not 0 < d.val_fraction < 1:
-        raise ConfigError(f"data.val_fraction={d.val_fraction}: must be between 0 and 1")
-    if any(lr <= 0 for lr in p.lrs):
-        raise ConfigError(f"protocol.lrs={list(p.lrs)}: every learning rate must be positive")
-    if not p.seeds or not p.tune_seeds:
-        raise ConfigError("protocol.seeds and protocol.tune_seeds: need at least one seed each")
-    if Stage(p.stage) in (Stage.final, Stage.widen) and not p.lrs:
-        raise ConfigError(f"protocol.stage={Stage(p.stage).value}: protocol.lrs is empty, so there is no tuning stage "
-                          f"to take a rate from; set protocol.lrs, or drop protocol.stage and give train.lr")
-    if p.widen < 0:
-        raise ConfigError(f"protocol.widen={p.widen}: must be 0 (never) or more")
-    if not m.conv:
-        raise ConfigError("model.conv: needs at least one conv layer")
-    for i, layer in enumerate(m.conv):
-        for name in ("channels", "kernel_freq", "kernel_time", "stride_freq", "stride_time"):
-            if getattr(layer, name) <= 0:
-                raise ConfigError(f"model.conv[{i}].{name}={getattr(layer, name)}: must be positive")
-    check_variant(m)
-
-
-def check_variant(m: ModelConfig | DictConfig) -> None:
-    """The combinations of model settings that have no layer; the one place these rules live. Each layer
-    class says what it takes (`impls`, `switches` in batchrnn.rnn), so a new variant needs no rule here."""
-    from batchrnn.rnn import LAYERS  # here, not at the top: batchrnn.rnn imports this module
-
-    bn = BNMode(m.bn)
-    layer = LAYERS[bn]
-    why = {"share_input_weights": "sharing W between directions needs a separate input projection",
-           "weight_norm_recurrent": "only the weight-norm variant normalises U"}
-    for switch, reason in why.items():
-        if getattr(m, switch) and switch not in layer.switches:
-            allowed = "|".join(b.value for b, c in LAYERS.items() if switch in c.switches)
-            raise ConfigError(f"model.{switch}=true with model.bn={bn.value}: {reason}, allowed with "
-                              f"model.bn={allowed}")
-    if m.share_input_weights and not m.bidirectional:
-        raise ConfigError("model.share_input_weights=true needs model.bidirectional=true")
-    impl = Impl(m.impl)
-    if impl not in layer.impls:
-        allowed = "|".join(b.value for b, c in LAYERS.items() if impl in c.impls)
-        raise ConfigError(
-            f"model.impl={impl.value} with model.bn={bn.value}: the cell reference exists for "
-            f"model.bn={allowed} only; use model.impl=fused"
-        )
 
 
 def check_known_keys(node: DictConfig, schema: DictConfig, path: str = "") -> None:

@@ -11,15 +11,15 @@ from pathlib import Path
 import soundfile as sf
 import torch
 
-from batchrnn.checkpoint import CheckpointError, load_model, typed
+from batchrnn.training.checkpoint import CheckpointError, load_model, typed
 from batchrnn.config import AN4_ARCHIVE_ENV, ConfigError, DataConfig, TrainConfig
-from batchrnn.data import SAMPLE_RATE, DataError, prepare_corpus, read_audio
-from batchrnn.features import Featurizer, load_features
+from batchrnn.data.corpus import SAMPLE_RATE, DataError, prepare_corpus, read_audio
+from batchrnn.data.features import Featurizer, load_features
 from batchrnn.storage import write_json
-from batchrnn.text import greedy_decode
-from batchrnn.device import pick_device, uses_bf16
-from batchrnn.rundir import BEST
-from batchrnn.train import score
+from batchrnn.data.text import greedy_decode
+from batchrnn.training.device import pick_device, uses_bf16
+from batchrnn.training.rundir import BEST
+from batchrnn.training.loop import score
 
 
 class UsageError(ValueError):

@@ -5,8 +5,11 @@ from enum import Enum
 import torch
 from torch import nn
 
-from batchrnn.config import BNMode, ModelConfig, check_variant
-from batchrnn.rnn import LAYERS, MaskedBatchNorm, RecurrentLayer
+from batchrnn.config import BNMode, ModelConfig
+from batchrnn.layers import check_variant
+from batchrnn.layers import LAYERS
+from batchrnn.layers.base import RecurrentLayer
+from batchrnn.layers.folds import MaskedBatchNorm
 
 
 def build_recurrent_layer(rnn: str, bn: str, input_size: int, hidden_size: int, **settings) -> RecurrentLayer:

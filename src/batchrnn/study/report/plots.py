@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from batchrnn.config import Impl
-from batchrnn.report.summary import BN_ORDER, RNN_ORDER, Summary
+from batchrnn.study.report.summary import BN_ORDER, RNN_ORDER, Summary
 
 DEPTH_PLOT = "wer_vs_depth.png"  # only when the study varies model.num_layers
 

@@ -1,7 +1,7 @@
 """The trainer: one variant on one corpus with CTC, epoch by epoch until validation stops improving.
 
 `train(cfg, folder)` runs, resumes from the last complete epoch, or returns a finished run's results.
-The run folder's files are batchrnn.rundir's business; this module is the loop and what it measures.
+The run folder's files are batchrnn.training.rundir's business; this module is the loop and what it measures.
 """
 import logging
 import math
@@ -14,18 +14,19 @@ from pathlib import Path
 import torch
 import torchaudio
 from omegaconf import DictConfig
-from tqdm import tqdm
 
-from batchrnn.config import ConfigError, to_container, validate
-from batchrnn.data import corpus_changes, prepare_corpus
-from batchrnn.device import machine, peak_memory_mb, pick_device, reset_peak_memory, synchronize, uses_bf16
-from batchrnn.features import FeatureSet, collate, load_features, make_batches
+from batchrnn.config import ConfigError, to_container
+from batchrnn.validation import validate
+from batchrnn.data.corpus import corpus_changes, prepare_corpus
+from batchrnn.training.device import machine, peak_memory_mb, pick_device, reset_peak_memory, synchronize, uses_bf16
+from batchrnn.data.features import FeatureSet, collate, load_features, make_batches
 from batchrnn.metrics import error_rates
 from batchrnn.model import DeepSpeech2
-from batchrnn.protocol import settings, variant_label
-from batchrnn.rundir import CHECKPOINT, RESULTS, RunFolder
-from batchrnn.text import LABELS, greedy_decode
-from batchrnn.tracking import start_tracking
+from batchrnn.training.identity import settings, variant_label
+from batchrnn.training.rundir import CHECKPOINT, RESULTS, RunFolder
+from batchrnn.data.text import LABELS, greedy_decode
+from batchrnn.tracking.tracker import start_tracking
+from batchrnn.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ def score(model, fs: FeatureSet, batch_size: int, device: torch.device, bf16: bo
     ctc = torch.nn.CTCLoss(blank=0, zero_infinity=True)
     ids, refs, hyps, total = [], [], [], 0.0
     batches = make_batches(fs.lengths, batch_size, shuffle=False, seed=0)
-    for indices in tqdm(batches, desc="scoring", unit="batch", disable=not progress):
+    for indices in progress_bar(batches, desc="scoring", unit="batch", disable=not progress):
         x, x_lens, y, y_lens = (b.to(device) for b in collate(fs, indices))
         loss, log_probs, out_lens = ctc_loss(model, ctc, x, x_lens, y, y_lens, bf16)
         total += loss.item() * len(indices)
@@ -134,8 +135,14 @@ def score(model, fs: FeatureSet, batch_size: int, device: torch.device, bf16: bo
 def train(cfg: DictConfig, out_dir: Path, preset: str | None = None) -> dict:
     """Run (or resume, or return if finished) one training run in out_dir; preset names the experiment."""
     validate(cfg)
-    config, t = to_container(cfg), cfg.train
     folder = RunFolder(out_dir)
+    with folder.lock():  # a second process on the same run is refused here, before it reads or writes anything
+        return train_in(cfg, folder, preset)
+
+
+def train_in(cfg: DictConfig, folder: RunFolder, preset: str | None) -> dict:
+    """train()'s work, in a run folder this process holds."""
+    config, t = to_container(cfg), cfg.train
     if not t.rerun:
         if cfg.protocol.reuse_from:
             folder.adopt(Path(cfg.protocol.reuse_from), config, preset)
@@ -217,7 +224,7 @@ def train_epoch(run: Run, progress: Progress, tracker) -> dict:
     shuffle = not (t.sortagrad and progress.epoch == 1)  # DS2's SortaGrad: epoch 1 in length order
     batches = make_batches(lengths, t.batch_size, shuffle, seed=run.cfg.seed * 1000 + progress.epoch)
     total, count, norms = 0.0, 0, []
-    bar = tqdm(batches, desc=f"epoch {progress.epoch}", unit="batch", leave=False, mininterval=2)
+    bar = progress_bar(batches, desc=f"epoch {progress.epoch}", unit="batch", leave=False, mininterval=2)
     for batch in bar:
         indices = [run.train_indices[i] for i in batch]
         lr = run.lr_at(progress.epoch, progress.step)

@@ -6,8 +6,8 @@ import sys
 from pathlib import Path
 
 from batchrnn.config import LoggerMode
-from batchrnn.report import write_report
-from batchrnn.report.summary import FilterError
+from batchrnn.study.report import write_report
+from batchrnn.study.report.summary import FilterError
 
 
 def main(argv: list[str] | None = None) -> None:

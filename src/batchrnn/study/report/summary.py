@@ -13,10 +13,10 @@ from pathlib import Path
 
 from batchrnn.config import BNMode, Impl, RNNType
 from batchrnn.config import Stage
-from batchrnn.protocol import (LR, SEED, canonical, choose_lrs, known_settings, placement, settings,
-                               variant_key)
-from batchrnn.report.stats import ALPHA, first_reach, holm, mean_std, paired_bootstrap, utterance_errors
-from batchrnn.rundir import read_study
+from batchrnn.study.protocol import choose_lrs
+from batchrnn.training.identity import LR, SEED, canonical, known_settings, placement, settings, variant_key
+from batchrnn.study.report.stats import ALPHA, first_reach, holm, mean_std, paired_bootstrap, utterance_errors
+from batchrnn.training.rundir import read_study
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +227,7 @@ def by_setting(records: list[dict]) -> tuple[dict, list[str]]:
 
 
 def protocol_of(results: list[dict]) -> dict | None:
-    """The study's learning-rate protocol, when its runs were made by one (batchrnn.study: stage tune or
+    """The study's learning-rate protocol, when its runs were made by one (batchrnn.study.scheduler: stage tune or
     final) with a grid; the commonest if several. Single runs of a preset that has a grid are plain runs."""
     protocols = [p for r in results if isinstance(p := r["config"].get("protocol"), dict) and p.get("lrs")
                  and p.get("stage", Stage.single.value) != Stage.single.value]

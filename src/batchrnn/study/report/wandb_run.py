@@ -2,8 +2,8 @@
 from pathlib import Path
 
 from batchrnn.config import LoggerConfig, LoggerMode
-from batchrnn.dashboard import save_workspace
-from batchrnn.report.summary import COMPUTED
+from batchrnn.tracking.dashboard import save_workspace
+from batchrnn.study.report.summary import COMPUTED
 
 
 def logger_of(runs_logger: dict, mode: LoggerMode) -> LoggerConfig:
@@ -17,7 +17,7 @@ def log_report(report: dict, out_dir: Path, logger: LoggerConfig) -> str:
     per variant), report/head_to_head and report/tuning, the plots as images, the counts and the
     significance sentence in the run's summary. The run lives in out_dir/wandb-report/, online or
     offline as start_tracking decides; running the report again updates it. Returns the tracking mode."""
-    from batchrnn.tracking import start_tracking
+    from batchrnn.tracking.tracker import start_tracking
 
     config = {k: report[k] for k in ("sweep_dir", "study", "preset", "devices", "protocol")}
     tracker = start_tracking(logger, Path(out_dir) / "wandb-report", "report", report["study"], config,

@@ -1,96 +1,11 @@
-"""What a run is, which runs are seeds of one setting, and which learning rate each variant gets.
-
-A run is identified by its resolved settings, not by the overrides that were typed: `model.bn=none`, no
-override at all and `seed=0` are one run. Settings that cannot change a result (NEUTRAL) stay out.
+"""Which learning rate each variant gets: the fair protocol's rule over a study's tuning runs (stage tune, its
+widening past an edge, and stage final). A run's identity is batchrnn.training.identity's.
 """
-import hashlib
-import json
 import math
 from collections import defaultdict
 
-from omegaconf import OmegaConf
-
-from batchrnn.config import Config, Impl
-
-# Where the data comes from, where things are written, how fast, and the study's bookkeeping: none of
-# these changes what a run computes, so a run restarted with another of them is the same run.
-NEUTRAL = ("study", "protocol", "logger", "data.archive", "data.mirrors", "data.root", "train.device",
-           "train.threads", "train.rerun")
-SEED, LR = "seed", "train.lr"
-
-
-def flatten(tree: dict, prefix: str = "") -> dict:
-    """{"model.rnn": "gru", "model.conv": [...], ...}: nested dicts flattened, lists kept whole."""
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out |= flatten(value, f"{prefix}{key}.")
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def settings(config: dict) -> dict:
-    """The flat settings of a resolved config (a plain dict, as results.json holds it) that can change
-    a result, the seed among them."""
-    return {k: v for k, v in flatten(config).items() if not any(k == n or k.startswith(n + ".") for n in NEUTRAL)}
-
-
-_DEFAULTS = None
-
-
-def default_settings() -> dict:
-    global _DEFAULTS
-    if _DEFAULTS is None:  # the schema's defaults; resolving them reads $AN4_ARCHIVE, a neutral key
-        _DEFAULTS = settings(OmegaConf.to_container(OmegaConf.structured(Config), resolve=True, enum_to_str=True))
-    return _DEFAULTS
-
-
-def known_settings(config: dict) -> dict:
-    """settings(config) with the schema's default for each setting the config lacks (one added to the schema
-    after it was written), so that runs from before and after a new setting are one setting."""
-    return default_settings() | settings(config)
-
-
-def canonical(values: dict) -> str:
-    return json.dumps(values, sort_keys=True, separators=(",", ":"))
-
-
-def placement(s: dict) -> str:
-    """bn, or bn-cells for the cell reference; s: flat settings (`settings`)."""
-    return s["model.bn"] + ("-cells" if s.get("model.impl", Impl.fused.value) == Impl.cells.value else "")
-
-
-def variant_label(s: dict) -> str:
-    """rnn-bn[-cells]: how runs, W&B runs and report rows name a variant; s: flat settings."""
-    return f"{s['model.rnn']}-{placement(s)}"
-
-
-def run_name(config: dict) -> str:
-    """The run folder's name: readable (rnn-bn[-cells]-L<layers>-lr<lr>-s<seed>) and unique, through a
-    hash of the settings that differ from the schema's defaults (so a new setting with a default does
-    not rename every earlier run)."""
-    s, defaults = settings(config), default_settings()
-    changed = {k: v for k, v in s.items() if k not in defaults or defaults[k] != v}
-    digest = hashlib.sha1(canonical(changed).encode()).hexdigest()[:8]
-    return f"{variant_label(s)}-L{s['model.num_layers']}-lr{s[LR]:g}-s{s[SEED]}-{digest}"
-
-
-def mismatch(stored: dict, current: dict) -> list[str]:
-    """Settings in which a run folder's stored config differs from the current one. A setting only one
-    side knows (added to the schema later) counts as its default."""
-    a, b, defaults = settings(stored), settings(current), default_settings()
-    return sorted(k for k in a.keys() | b.keys() if a.get(k, defaults.get(k)) != b.get(k, defaults.get(k)))
-
-
-def setting_key(config: dict, without: tuple[str, ...] = (SEED,)) -> str:
-    """Runs with equal keys are repetitions of one setting: by default, seeds of one configuration."""
-    return canonical({k: v for k, v in known_settings(config).items() if k not in without})
-
-
-def variant_key(config: dict) -> str:
-    """What the learning-rate choice is made for: every setting but the seed and the rate."""
-    return setting_key(config, (SEED, LR))
+from batchrnn.training.identity import settings, variant_key, variant_label
+from batchrnn.training.rundir import read_study
 
 
 def val_wer_for_choice(result: dict) -> float:
@@ -171,8 +86,6 @@ class ProtocolError(RuntimeError):
 
 def tuning_choice(study_dir, config: dict) -> dict | None:
     """choose_lrs's entry for this run's variant, from the tuning runs in study_dir (None: it has none)."""
-    from batchrnn.rundir import read_study
-
     p = config["protocol"]  # a non-empty grid: config.validate refuses stages tune, widen, final without one
     results, _ = read_study(study_dir)
     tuning = [r for r in results if r["config"]["seed"] in p["tune_seeds"]]
@@ -188,7 +101,7 @@ def widened_lr(study_dir, config: dict) -> float | None:
     if choice is None or any(lr in base for lr, _ in choice["missing"]):
         raise ProtocolError(f"{study_dir}: the tuning stage of {variant_title(config)} is not "
                             "complete, so its grid cannot widen yet; run the tuning stage first (python -m "
-                            "batchrnn.study runs every stage)")
+                            "batchrnn.study.scheduler runs every stage)")
     return next((lr for lr, seed in choice["missing"] if seed == config["seed"]), None)
 
 

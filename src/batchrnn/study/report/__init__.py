@@ -1,4 +1,4 @@
-"""The study report: one summary of a sweep's results (batchrnn.report.summary), read by the tables of
+"""The study report: one summary of a sweep's results (batchrnn.study.report.summary), read by the tables of
 report.md and report.json (render), the plots (plots) and the W&B report run (wandb_run).
 
     python -m batchrnn.report SWEEP_DIR [--out DIR] [--only SETTING=V1,V2 ...] [--wandb]
@@ -6,8 +6,8 @@ report.md and report.json (render), the plots (plots) and the W&B report run (wa
 from pathlib import Path
 
 from batchrnn.config import LoggerMode
-from batchrnn.report import plots, render
-from batchrnn.report.summary import build
+from batchrnn.study.report import plots, render
+from batchrnn.study.report.summary import build
 
 
 def write_report(sweep_dir: Path, out_dir: Path | None = None, wandb: LoggerMode | None = None,
@@ -26,7 +26,7 @@ def write_report(sweep_dir: Path, out_dir: Path | None = None, wandb: LoggerMode
     report = render.as_json(summary, drawn)
     (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     if wandb is not None:
-        from batchrnn.report.wandb_run import log_report, logger_of
+        from batchrnn.study.report.wandb_run import log_report, logger_of
 
         log_report(report, out_dir, logger_of(summary.logger, wandb))
     return path

@@ -8,7 +8,7 @@ the slots that the first leaves free; each study folder's report is written once
 
 Stage tune sweeps every variant over protocol.lrs with protocol.tune_seeds; stage widen (protocol.widen
 times) tunes each variant whose best rate is an edge of its grid at one rate past it; stage final runs
-protocol.seeds at the rate each variant's validation WER chose (batchrnn.protocol.choose_lrs); then the
+protocol.seeds at the rate each variant's validation WER chose (batchrnn.study.protocol.choose_lrs); then the
 report. Finished runs are skipped, so running it again resumes; a tuning run at the chosen rate is that
 seed's final run. Under a local launcher (the basic one, or hydra/launcher=parallel's n_jobs at once) the
 study schedules the runs itself: a job waits only for its own variant's earlier stages, so a free slot
@@ -34,12 +34,14 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from batchrnn.config import ConfigError, register_configs, to_container, validate, with_device_preset
+from batchrnn.config import ConfigError, register_configs, to_container, with_device_preset
+from batchrnn.validation import validate
 from batchrnn.errors import DIVERGED, one_line, worst
-from batchrnn.protocol import ProtocolError, can_widen, nothing_to_widen, run_name, stage_lr, variant_key
-from batchrnn.sweep import STOP_FILE, job_threads, jobs_at_once
+from batchrnn.study.protocol import ProtocolError, can_widen, nothing_to_widen, stage_lr
+from batchrnn.training.identity import run_name, variant_key
+from batchrnn.study.sweep import STOP_FILE, job_threads, jobs_at_once
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 RUN = [sys.executable, str(ROOT / "src" / "run.py"), "-m"]
 
 
@@ -169,7 +171,7 @@ class Pool:
             return 0
         config["train"]["lr"] = lr
         path = job.study_dir / run_name(config)
-        from batchrnn.rundir import finished_run  # torch, which a refused override need not wait for
+        from batchrnn.training.rundir import finished_run  # torch, which a refused override need not wait for
 
         if not job.cfg.train.rerun and finished_run(path, config) is not None:
             print(f"study: {path} is finished; train.rerun=true runs it again", flush=True)

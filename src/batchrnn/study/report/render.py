@@ -4,10 +4,10 @@ computed here beyond formatting.
 import math
 
 from batchrnn.config import Impl
-from batchrnn.protocol import can_widen
-from batchrnn.rnn import backend
-from batchrnn.report.stats import ALPHA, RESAMPLES
-from batchrnn.report.summary import BUILDS_ON, DEPTH, DRIFT, NONE, Summary, short, shown, value
+from batchrnn.study.protocol import can_widen
+from batchrnn.layers import backend
+from batchrnn.study.report.stats import ALPHA, RESAMPLES
+from batchrnn.study.report.summary import BUILDS_ON, DEPTH, DRIFT, NONE, Summary, short, shown, value
 
 FAMILY_WISE = f"a family-wise {ALPHA:.0%} level, Holm–Bonferroni"
 
@@ -76,7 +76,7 @@ def header(summary: Summary) -> list[str]:
     if len(summary.threads) > 1:
         counts = "; ".join(f"{n} runs with {t}" for t, n in summary.threads.items())
         lines.append(f"- Torch threads: {counts}. A run's epoch time depends on its threads and on what ran beside it "
-                     "(two 1-thread jobs at once each take about 1.5x a 2-thread job's epoch, experiments/README.md), "
+                     "(two 1-thread jobs at once each take about 1.5x a 2-thread job's epoch, experiments/threads.md), "
                      "so time ratios between runs of different thread counts mix the two; `make bench` measures the "
                      "variants' cost in one run.")
     if summary.stopped:

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 import torch
 import torchaudio
-from tqdm import tqdm
 
 from batchrnn.config import DataConfig
-from batchrnn.data import SAMPLE_RATE, Corpus, read_audio
+from batchrnn.data.corpus import SAMPLE_RATE, Corpus, read_audio
 from batchrnn.errors import one_line
 from batchrnn.storage import atomic_write
-from batchrnn.text import encode
+from batchrnn.data.text import encode
+from batchrnn.progress import progress_bar
 
 CACHE_VERSION = 1  # bump when the featurizer changes, so old caches are not reused
 
@@ -87,7 +87,7 @@ def load_features(corpus: Corpus, split: str, cfg: DataConfig) -> FeatureSet:
         except Exception as e:  # a torn or foreign file costs a recompute, never the run
             warnings.warn(f"{path}: unreadable feature cache ({one_line(e)}); computing it again")
     featurizer = Featurizer(cfg)
-    feats = [featurizer(read_audio(u.path)) for u in tqdm(utts, desc=f"features {corpus.name}/{split}")]
+    feats = [featurizer(read_audio(u.path)) for u in progress_bar(utts, desc=f"features {corpus.name}/{split}")]
     fs = FeatureSet([u.id for u in utts], feats, [u.text for u in utts], featurizer.num_features)
     # One concatenated tensor loads much faster than a thousand small ones.
     blob = {"ids": fs.ids, "texts": fs.texts, "num_features": fs.num_features, "lengths": fs.lengths,

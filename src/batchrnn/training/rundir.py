@@ -3,22 +3,27 @@
 Every file is replaced whole (storage.atomic_write), so a killed run leaves the last complete epoch.
 A folder belongs to one configuration: a run with other settings is refused, never mixed in.
 """
+import fcntl
 import json
 import logging
+import os
 import random
 import shutil
+import socket
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from batchrnn.checkpoint import CheckpointError, load_model, save_model
+from batchrnn.training.checkpoint import CheckpointError, load_model, save_model
 from batchrnn.errors import one_line
-from batchrnn.protocol import mismatch
+from batchrnn.training.identity import mismatch
 from batchrnn.storage import atomic_write, write_json
 
 log = logging.getLogger(__name__)
 CHECKPOINT, BEST, RESULTS, LOG = "checkpoint.pt", "best.pt", "results.json", "run.log"
+LOCK = ".lock"  # held (fcntl.flock) by the process training the run; says who, for the refusal's message
 
 
 class RunError(RuntimeError):
@@ -45,6 +50,30 @@ class RunFolder:
 
     def file(self, name: str) -> Path:
         return self.path / name
+
+    @contextmanager
+    def lock(self):
+        """This process alone trains the run while it holds the folder: a second process (the same command in
+        another terminal, a second `make studies`) is refused at once. An OS lock, so a process killed even
+        with -9 leaves nothing behind that would block its resume."""
+        handle = open(self.file(LOCK), "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise RunError(f"is being trained by {holder}; wait for it to end, or stop it (a stopped run "
+                           "resumes) and run this again") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"process {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+        handle.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            handle.close()
 
     def results(self) -> dict:
         """results.json as written last, {} when there is none. A damaged one (written atomically, so damaged
@@ -136,7 +165,7 @@ class RunFolder:
         return progress
 
     def save_best(self, model, config: dict, **extra) -> None:
-        """best.pt: the model with what rebuilds it (batchrnn.checkpoint), usable outside this folder."""
+        """best.pt: the model with what rebuilds it (batchrnn.training.checkpoint), usable outside this folder."""
         save_model(self.file(BEST), model, config, **extra)
 
     def best_state(self, device: torch.device) -> dict:

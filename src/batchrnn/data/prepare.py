@@ -12,11 +12,12 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from batchrnn.config import ConfigError, CorpusName, DataConfig, register_configs, validate, with_device_preset
-from batchrnn.data import DataError, prepare_corpus
-from batchrnn.features import Featurizer, cache_path, load_features
+from batchrnn.config import ConfigError, CorpusName, DataConfig, register_configs, with_device_preset
+from batchrnn.validation import validate
+from batchrnn.data.corpus import DataError, prepare_corpus
+from batchrnn.data.features import Featurizer, cache_path, load_features
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 PRESETS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 
 

@@ -1,0 +1,7 @@
+"""The corpus and its features.
+
+- corpus.py: AN4 from its archive (download or local copy), checked, normalised and split; the audio reader.
+- text.py: the alphabet, transcript normalisation and CTC label encoding.
+- features.py: log-mel or linear spectrogram features, cached per utterance set, and length-bucketed batches.
+- prepare.py: `python -m batchrnn.data`, which prepares a preset's corpus and features ahead of a study.
+"""

@@ -1,0 +1,152 @@
+"""The fold mathematics: masked moments over valid frames, the Gram matrix and quadratic forms that give
+BN(W x)'s and LN(W x)'s statistics from x's (exactly, autograd differentiating through them), and the masked,
+sequence-wise BatchNorm that every BN placement and the conv front end use."""
+import math
+
+import torch
+from torch import nn
+
+from batchrnn.layers.base import full_precision
+
+
+def masked_moments(x: torch.Tensor, mask: torch.Tensor, channel_dim: int):
+    """Mean and biased variance per channel over valid positions; mask is 0/1, broadcastable to x."""
+    x, mask = full_precision(x), full_precision(mask)  # statistics in float32 even under autocast
+    dims = [d for d in range(x.dim()) if d != channel_dim % x.dim()]
+    count = mask.sum() * math.prod(x.shape[d] for d in dims if mask.shape[d] == 1)
+    mean = (x * mask).sum(dims, keepdim=True) / count
+    var = ((x - mean).square() * mask).sum(dims, keepdim=True) / count
+    return mean.flatten(), var.flatten(), count
+
+
+class Gram(torch.autograd.Function):
+    """x^T x (over the last two dims, batched over any before) with the backward that uses its symmetry:
+    one matmul, where autograd of `x.mT @ x` would do two (one per operand). On the BN fold's hot path,
+    the statistic that costs D^2 per frame; in the LN fold, W_c^T W_c per copy (K D^2 per batch)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x.mT @ x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return x @ (grad + grad.mT)
+
+
+class QuadraticForm(torch.autograd.Function):
+    """x_f^T M_c x_f for every row x_f of x (F, D) and every symmetric M_c of m (C, D, D): (C, F). The
+    backward reuses the forward's x M for x's gradient (2 M x), so it costs one D^2 product per row (M's
+    gradient), where autograd would do two. The LN fold's |W_c x|^2, through M = W_c^T W_c. Every product
+    is one plain matrix product over the C matrices side by side: a batched product over a broadcast x
+    ran 2.5x slower on the CPU (F 3200, D 256, C 2)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        c, d = m.shape[:2]
+        xm = (x @ m.transpose(0, 1).reshape(d, c * d)).view(-1, c, d)  # (F, C, D): x M_c for every c
+        ctx.save_for_backward(x, xm)
+        # The per-frame sums in float32 at least: with bf16 x, of the products rounded to bf16 as xm already
+        # is (casting xm and x to float32 first cost 8x the time on the CPU for no accuracy the test sees).
+        return (xm * x[:, None, :]).sum(-1, dtype=torch.promote_types(x.dtype, torch.float32)).t()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, xm = ctx.saved_tensors
+        f, c, d = xm.shape
+        g = grad.t().to(x.dtype)  # (F, C), in the products' dtype
+        grad_x = xm[:, 0] * (2 * g[:, :1])  # 2 sum_c grad_c M_c x, one frame-sized product at a time
+        for k in range(1, c):
+            grad_x = torch.addcmul(grad_x, xm[:, k], 2 * g[:, k:k + 1])
+        grad_m = ((g[:, :, None] * x[:, None, :]).reshape(f, c * d).t() @ x).view(c, d, d)  # x^T diag(g_c) x
+        return grad_x, grad_m
+
+
+def cheaper_route(frames: int, d: int, copies: int, width: int, grams: int = 1, batch_products: int = 3) -> str:
+    """Fewer multiply-adds (forward and backward) for a statistic of W x (copies, width, D) over a batch.
+    "gram" goes through D x D products: `grams` of them per frame at 2 D^2 each (BN: E[x x^T], one for
+    every copy; LN: x^T W_c^T W_c x, one per copy), then `batch_products` x copies x width x D^2 per batch
+    (BN: w_k^T S w_k and its backward, 3; LN: the Gram W_c^T W_c and its one-matmul backward, 2); "direct"
+    computes W x (3 copies x width x D per frame). Long batches favour gram, short ones with a wide input
+    direct."""
+    gram = 2 * grams * d * d * frames + batch_products * copies * width * d * d
+    return "gram" if gram <= 3 * copies * width * d * frames else "direct"
+
+
+def projected_moments(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, route: str,
+                      dtype: torch.dtype | None = None):
+    """Mean and variance of z = W x over valid frames, each (copies, width); x (frames, D) is zero on
+    padding, mask (frames, 1), w (copies, width, D). x is centred before its second moment: in float32,
+    E[z^2] - E[z]^2 loses what features with a large mean carry. Both routes are exact; they differ
+    only in cost. dtype: that of the per-frame products (default x's): with bf16, the gram route's x^T x
+    (accumulated in float32, rounded to bf16 once) or the direct route's W x; the mean, the count, the
+    direct route's sum of squares and the batch-level products stay in x's dtype."""
+    count = mask.sum()
+    mean_x = x.sum(0) / count
+    xc = (x - mean_x) * mask  # (frames, D), still zero on padding
+    xp = xc.to(dtype or xc.dtype)
+    if route == "gram":
+        var = ((w @ (Gram.apply(xp).to(x.dtype) / count)) * w).sum(-1)
+    else:
+        var = torch.einsum("fd,cwd->fcw", xp, w.to(xp.dtype)).to(x.dtype).square().sum(0) / count
+    return w @ mean_x, var
+
+
+def track_moments(running_mean: torch.Tensor, running_var: torch.Tensor, mean: torch.Tensor,
+                  var: torch.Tensor, count, factor, keep: torch.Tensor | None = None) -> None:
+    """BatchNorm's running-average rule, in place: the running moments take a step of `factor` towards
+    the batch's mean and its variance unbiased over `count` rows (var * n / (n - 1)); where `keep` is
+    False they stay as they are."""
+    with torch.no_grad():
+        unbiased = var.detach() * count / (count - 1).clamp_min(1)
+        means = running_mean.lerp(mean.detach().to(running_mean.dtype), factor)
+        variances = running_var.lerp(unbiased.to(running_var.dtype), factor)
+        if keep is not None:
+            means, variances = torch.where(keep, means, running_mean), torch.where(keep, variances, running_var)
+        running_mean.copy_(means)
+        running_var.copy_(variances)
+
+
+class MaskedBatchNorm(nn.Module):
+    """Sequence-wise BatchNorm whose statistics count valid frames only (never padding).
+
+    Not an nn.BatchNorm1d, whose forward takes no mask: code that finds BatchNorm modules by type
+    (nn.SyncBatchNorm.convert_sync_batchnorm, fusers) must leave this one alone. It holds BatchNorm1d's
+    parameters and buffers under the same names and follows its running-average rule (momentum=None:
+    the cumulative average), so state dicts move between the two.
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1):
+        super().__init__()
+        self.num_features, self.eps, self.momentum = num_features, eps, momentum
+        self.weight = nn.Parameter(torch.ones(num_features))
+        self.bias = nn.Parameter(torch.zeros(num_features))
+        self.register_buffer("running_mean", torch.zeros(num_features))
+        self.register_buffer("running_var", torch.ones(num_features))
+        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+
+    def extra_repr(self) -> str:
+        return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}"
+
+    def fold(self, mean: torch.Tensor | None, var: torch.Tensor | None, count) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scale and shift that apply this BN: batch moments in training (updating the running
+        averages), running averages in eval."""
+        if self.training:
+            with torch.no_grad():
+                self.num_batches_tracked += 1
+                # A tensor, not a float, so reading the count never waits for the GPU.
+                factor = (self.momentum if self.momentum is not None
+                          else self.num_batches_tracked.reciprocal().to(self.running_mean.dtype))
+            track_moments(self.running_mean, self.running_var, mean, var, count, factor)
+        else:
+            mean, var = self.running_mean, self.running_var
+        scale = self.weight * torch.rsqrt(var + self.eps)
+        return scale, self.bias - mean * scale
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, channel_dim: int = -1) -> torch.Tensor:
+        stats = masked_moments(x, mask, channel_dim) if self.training else (None, None, 0)
+        scale, shift = self.fold(*stats)
+        shape = [1] * x.dim()
+        shape[channel_dim] = -1
+        return (x * scale.view(shape).to(x.dtype) + shift.view(shape).to(x.dtype)) * mask

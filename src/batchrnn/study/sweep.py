@@ -1,0 +1,74 @@
+"""Sweeps: each job's share of the cores, and a sweep's exit status whichever launcher ran its jobs.
+
+A job that fails on its own (diverged, damaged run folder) lets the sweep go on; it leaves its exit status
+in the sweep folder, because joblib and submitit run jobs in other processes, and `SweepStatus` (a Hydra
+callback, conf/config.yaml) turns those into the sweep's exit status once every job is done.
+"""
+import os
+import shutil
+import sys
+from functools import reduce
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from batchrnn.errors import worst
+
+FAILED_DIR = ".failed_jobs"  # in the sweep folder: one file per failed job, named by job number, holding its status
+
+
+def jobs_at_once(launcher: DictConfig, cores: int) -> int | None:
+    """How many jobs a local launcher runs at once: joblib's n_jobs (-1: one per core, -2: every core but one),
+    the basic launcher's one; None for a cluster launcher (submitit), whose jobs do not share these cores."""
+    target = str(launcher.get("_target_", ""))
+    if target.endswith("JoblibLauncher"):
+        n = launcher.get("n_jobs") or 1
+        return max(1, cores + 1 + n if n < 0 else n)
+    return 1 if target.endswith("BasicLauncher") else None
+
+
+def job_threads(launcher: DictConfig, cores: int) -> int:
+    """torch threads for one job when train.threads=0: the cores shared among the jobs that run at once.
+
+    joblib runs n_jobs at once, so each gets cores // n_jobs; submitit gets the cpus_per_task it asked for;
+    the basic launcher runs one job at a time and keeps torch's default (0).
+    """
+    if str(launcher.get("_target_", "")).endswith("JoblibLauncher"):
+        return max(1, cores // jobs_at_once(launcher, cores))
+    return launcher.get("cpus_per_task") or 0
+
+
+def record_failed_job(status: int) -> None:
+    """Called inside a sweep job that stopped early, in whatever process the launcher gave it."""
+    hydra = HydraConfig.get()
+    failed = Path(hydra.sweep.dir) / FAILED_DIR
+    failed.mkdir(parents=True, exist_ok=True)
+    (failed / str(hydra.job.num)).write_text(f"{status}\n")
+
+
+STOP_FILE = "BATCHRNN_STOP_FILE"  # set by the study's scheduler for each run it starts (batchrnn.study.scheduler.Pool)
+
+
+def record_stop(message: str) -> None:
+    """Called by a run that stopped on an error every other run would meet too (bad settings, no corpus):
+    tells the study's scheduler, when one started it, to start no more runs."""
+    if os.environ.get(STOP_FILE):
+        Path(os.environ[STOP_FILE]).write_text(message + "\n")
+
+
+class SweepStatus(Callback):
+    """Exit status of a sweep: that of its worst failed job (errors.worst: 2, a damaged folder or a protocol
+    stage that cannot run, says more than 3, diverged), else 0."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        shutil.rmtree(Path(config.hydra.sweep.dir) / FAILED_DIR, ignore_errors=True)  # a previous sweep's
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        failed = Path(config.hydra.sweep.dir) / FAILED_DIR
+        statuses = [int(f.read_text()) for f in failed.iterdir()] if failed.is_dir() else []
+        if statuses:
+            print(f"error: {len(statuses)} runs of this sweep stopped early; their 'error:' lines above say why",
+                  file=sys.stderr)
+            sys.exit(reduce(worst, statuses))

@@ -11,7 +11,7 @@ help: ## list the targets
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install --quiet -e '.[dev]'
-	$(PY) -m batchrnn.layers.cpu_gru --allow-fallback
+	$(PY) -m batchrnn.layers.build --allow-fallback
 	rm -f .venv/.installed-* && touch $@
 
 venv: $(STAMP) ## create .venv and install the package with its dev extras

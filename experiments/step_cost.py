@@ -58,7 +58,7 @@ def phased_step(model, opt, run: Run, batch, clock: dict) -> None:
     start = t()
     x, x_lens, y, y_lens = batch
     if run.augment is not None:
-        x = run.augment(x.unsqueeze(1)).squeeze(1)
+        x = run.augment(x, x_lens, [f"utterance{k}" for k in range(len(x_lens))], 1)
     marks = [t()]
     [b.clone() for b in model.buffers()]
     marks.append(t())

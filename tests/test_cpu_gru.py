@@ -27,9 +27,9 @@ VARIANTS = [pytest.param(b, {}, id=b) for b in FUSED] + [
 @pytest.mark.skipif(not (sys.platform == "linux" and os.uname().machine == "x86_64"),
                     reason="PyPI's oneDNN wheels are for Linux x86-64; elsewhere the CPU GRU is torch's")
 def test_the_kernel_is_built():
-    """`make venv` builds it (python -m batchrnn.layers.cpu_gru); a machine where it failed would train at half speed."""
+    """`make venv` builds it (python -m batchrnn.layers.build); a machine where it failed would train at half speed."""
     assert os.environ.get(cpu_gru.ENV, "onednn") == "onednn"
-    assert cpu_gru.available(), "the oneDNN GRU did not build: run .venv/bin/python -m batchrnn.layers.cpu_gru -v"
+    assert cpu_gru.available(), "the oneDNN GRU did not build: run .venv/bin/python -m batchrnn.layers.build -v"
     assert cpu_gru.kernel_name().startswith("onednn lbr_gru ")
     assert {"none", "post", "input", "skip", "seqwise", "ln", "wn"} <= set(FUSED)
 

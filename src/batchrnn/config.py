@@ -41,6 +41,11 @@ class Stage(str, Enum):
     final = "final"  # train.lr replaced by the rate the tuning stage chose for this variant (batchrnn.study.protocol)
 
 
+class Schedule(str, Enum):
+    exponential = "exponential"  # x train.lr_gamma every epoch, whatever validation does (the earlier studies)
+    plateau = "plateau"  # held while validation improves; x train.plateau_factor when it stops (train.plateau_*)
+
+
 class Impl(str, Enum):
     fused = "fused"  # the library's fused RNN kernel (cuDNN on CUDA); ln_full and rbn, with no other: their step loops
     cells = "cells"  # a Python loop over time with autograd cells: the slow reference (seqwise, ln, wn)
@@ -125,6 +130,10 @@ class SpecAugmentConfig:
     freq_width: int = 8  # each frequency mask covers up to this many feature bins
     time_masks: int = 0
     time_width: int = 20  # each time mask covers up to this many 10 ms frames
+    # Masks drawn per utterance, from the seed, the epoch and the utterance's id, within its own length: the
+    # same whatever batch it lands in and however many processes train (data-parallel). false: torchaudio's
+    # masks from the process's random stream over the padded batch, as the earlier studies drew them.
+    per_utterance: bool = False
 
 
 @dataclass
@@ -135,8 +144,20 @@ class TrainConfig:
     # AdamW with deepspeech.pytorch's AN4 settings by default.
     lr: float = 1.5e-4
     weight_decay: float = 1e-5
-    # Learning rate multiplied by this after every epoch.
+    # How the rate falls: exponential (x lr_gamma after every epoch) or plateau (driven by validation).
+    schedule: Schedule = Schedule.exponential
+    # schedule=exponential: the rate multiplied by this after every epoch.
     lr_gamma: float = 0.99
+    # schedule=plateau: after warm-up the rate is held while validation improves (what patience counts: a
+    # better WER, or a loss fall of patience_loss_drop), and multiplied by plateau_factor once it has not
+    # improved for plateau_wait epochs since its last improvement or cut.
+    plateau_wait: int = 1
+    plateau_factor: float = 0.5
+    # Patience may stop a plateau run only after this many cuts (every run gets at least one, as in Melis et
+    # al.'s lamb, so that no run stops at its first rate), and the run stops once the rate has fallen below
+    # plateau_floor x lr.
+    plateau_min_cuts: int = 1
+    plateau_floor: float = 1e-3
     # Linear warm-up over this many optimizer steps (0: none).
     warmup_steps: int = 0
     max_grad_norm: float = 400.0

@@ -71,7 +71,8 @@ class ConvFrontEnd(nn.Module):
 
     @staticmethod
     def time_mask(lengths: torch.Tensor, steps: int) -> torch.Tensor:
-        return (torch.arange(steps, device=lengths.device)[None, :] < lengths[:, None]).to(torch.float32)[:, None, None, :]
+        return (torch.arange(steps, device=lengths.device)[None, :]
+                < lengths[:, None]).to(torch.float32)[:, None, None, :]
 
 
 class DeepSpeech2(nn.Module):

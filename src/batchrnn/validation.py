@@ -36,6 +36,14 @@ def validate(cfg: Config | DictConfig) -> None:
         raise ConfigError(f"train.patience_loss_drop={t.patience_loss_drop}: must be in [0, 1)")
     if not 0 < t.lr_gamma <= 1:
         raise ConfigError(f"train.lr_gamma={t.lr_gamma}: must be in (0, 1]")
+    if not 0 < t.plateau_factor < 1:
+        raise ConfigError(f"train.plateau_factor={t.plateau_factor}: must be in (0, 1), or the rate never falls")
+    if not 0 < t.plateau_floor < 1:
+        raise ConfigError(f"train.plateau_floor={t.plateau_floor}: must be in (0, 1), a share of train.lr")
+    if t.plateau_wait < 1:
+        raise ConfigError(f"train.plateau_wait={t.plateau_wait}: must be 1 or more epochs")
+    if t.plateau_min_cuts < 0:
+        raise ConfigError(f"train.plateau_min_cuts={t.plateau_min_cuts}: must be 0 or more")
     if not 0 < d.val_fraction < 1:
         raise ConfigError(f"data.val_fraction={d.val_fraction}: must be between 0 and 1")
     if any(lr <= 0 for lr in p.lrs):

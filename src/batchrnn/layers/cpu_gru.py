@@ -148,12 +148,3 @@ def recurrence(x, w_ih, b_ih, w_hh, b_hh) -> torch.Tensor:
     """y (T, N, H) of one direction (rnn.fused_recurrence's argument order); float32 CPU tensors."""
     return LbrGRU.apply(x.contiguous(), *(t.contiguous() for t in (w_ih, w_hh, b_ih, b_hh)))
 
-
-if __name__ == "__main__":  # `make venv` runs this: build now, not in a run's first step
-    try:
-        build(verbose="-v" in sys.argv)
-    except Exception as e:
-        print(f"batchrnn: could not build the oneDNN CPU GRU kernel: {e}\nThe CPU GRU will run torch's step loop "
-              f"(about 2x slower). Fix: {FIX}.", file=sys.stderr)
-        sys.exit(0 if "--allow-fallback" in sys.argv else 1)
-    print(f"batchrnn: CPU GRU kernel {kernel_name()} built in {build_directory()}")

@@ -74,9 +74,11 @@ def stages(overrides: list[str], cfg: DictConfig | None = None) -> list[tuple[st
     p = (cfg or composed(overrides)).protocol
     if not p.lrs:
         return [("runs", [*overrides, f"seed={as_list(p.seeds)}"])]
-    widen = [(f"widen {i}" if p.widen > 1 else "widen", [*overrides, "protocol.stage=widen", f"seed={as_list(p.tune_seeds)}"])
+    widen = [(f"widen {i}" if p.widen > 1 else "widen",
+              [*overrides, "protocol.stage=widen", f"seed={as_list(p.tune_seeds)}"])
              for i in range(1, p.widen + 1)] if can_widen(p.lrs) else []
-    return [("tune", [*overrides, "protocol.stage=tune", f"train.lr={as_list(p.lrs)}", f"seed={as_list(p.tune_seeds)}"]),
+    return [("tune", [*overrides, "protocol.stage=tune", f"train.lr={as_list(p.lrs)}",
+                      f"seed={as_list(p.tune_seeds)}"]),
             *widen, ("final", [*overrides, "protocol.stage=final", f"seed={as_list(p.seeds)}"])]
 
 
@@ -115,7 +117,8 @@ def expand(overrides: list[str]) -> list[list[str]]:
     for o in OverridesParser.create().parse_overrides(overrides):
         key = o.get_key_element()
         if o.is_sweep_override() and not o.is_discrete_sweep():
-            raise HydraException(f"{o.input_line}: a study sweeps lists and ranges only (a,b,c or range(...)), not intervals")
+            raise HydraException(f"{o.input_line}: a study sweeps lists and ranges only (a,b,c or range(...)), "
+                                 "not intervals")
         by_key[key] = ([f"{key}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
                        else [f"{key}={o.get_value_element_as_str()}"])
     return [list(job) for job in itertools.product(*by_key.values())]
@@ -181,7 +184,8 @@ class Pool:
     def command(self, job: Job) -> list[str]:
         threads = [f"train.threads={self.threads}"] if self.threads and not job.cfg.train.threads else []
         # the child resolves the study's folder from its own overrides, as a sweep's job would
-        return [sys.executable, str(ROOT / "src" / "run.py"), *job.overrides, "hydra.run.dir=${hydra.sweep.dir}", *threads]
+        return [sys.executable, str(ROOT / "src" / "run.py"), *job.overrides, "hydra.run.dir=${hydra.sweep.dir}",
+                *threads]
 
     def start(self, job: Job) -> None:
         print(f"study: stage {job.stage}: src/run.py {' '.join(job.overrides)}", flush=True)
@@ -256,7 +260,8 @@ class Pool:
 
 
 def report(study_dir: Path, wandb: bool) -> int:
-    code = exit_status(subprocess.run([sys.executable, "-m", "batchrnn.report", str(study_dir)] + ["--wandb"] * wandb).returncode)
+    code = exit_status(subprocess.run([sys.executable, "-m", "batchrnn.report", str(study_dir)]
+                                      + ["--wandb"] * wandb).returncode)
     print(f"study: report in {study_dir / 'report.md'}", flush=True)
     return code
 

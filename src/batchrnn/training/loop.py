@@ -8,14 +8,13 @@ import math
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
-import torchaudio
 from omegaconf import DictConfig
 
-from batchrnn.config import ConfigError, to_container
+from batchrnn.config import ConfigError, Schedule, to_container
 from batchrnn.validation import validate
 from batchrnn.data.corpus import corpus_changes, prepare_corpus
 from batchrnn.training.device import machine, peak_memory_mb, pick_device, reset_peak_memory, synchronize, uses_bf16
@@ -27,6 +26,7 @@ from batchrnn.training.rundir import CHECKPOINT, RESULTS, RunFolder
 from batchrnn.data.text import LABELS, greedy_decode
 from batchrnn.tracking.tracker import start_tracking
 from batchrnn.progress import progress_bar
+from batchrnn.training.augment import SpecAugment
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,45 @@ class Progress:
     improved_epoch: int = 0  # the last epoch that improved validation WER or loss: patience counts from it
     skipped_steps: int = 0
     skipped_in_a_row: int = 0  # across epochs: a run that diverges at an epoch's end is still diverged
+    lr_cuts: int = 0  # schedule=plateau: the rate's cuts so far (it is lr x plateau_factor ** lr_cuts)
+    cut_epoch: int = 0  # the epoch after which the last cut was made
+
+    def judge(self, val_wer: float, val_loss: float, t) -> bool:
+        """Takes an epoch's validation: the best epoch, improvement (what patience counts) and, under
+        schedule=plateau, a cut of the rate. True when this epoch is the best so far (its model is kept)."""
+        best = val_wer < self.best_val_wer
+        if best:
+            self.best_val_wer, self.best_epoch = val_wer, self.epoch
+        # Loss too: a network still at blank output (100% WER) for its first epochs is learning while
+        # its loss falls, and patience on WER alone would stop it before it ever emits a letter. Only a
+        # real fall counts (train.patience_loss_drop since the last one): near convergence the loss
+        # drifts down by fractions of a percent for many epochs while WER no longer moves.
+        if val_loss < self.loss_mark * (1 - t.patience_loss_drop):
+            self.loss_mark, self.improved_epoch = val_loss, self.epoch
+        if best:
+            self.improved_epoch = self.epoch
+        if (Schedule(t.schedule) is Schedule.plateau and self.step >= t.warmup_steps
+                and self.epoch - max(self.improved_epoch, self.cut_epoch) >= t.plateau_wait):
+            self.lr_cuts, self.cut_epoch = self.lr_cuts + 1, self.epoch
+        return best
+
+    def lr_scale(self, t) -> float:
+        """The rate of the next epoch over train.lr, warm-up aside."""
+        if Schedule(t.schedule) is Schedule.plateau:
+            return t.plateau_factor ** self.lr_cuts
+        return t.lr_gamma ** self.epoch
+
+    def stop(self, t) -> str | None:
+        """Why the run ends now: floor (schedule=plateau: the rate fell below plateau_floor x lr), patience
+        (no improvement for train.patience epochs; under plateau only after plateau_min_cuts cuts), cap
+        (train.epochs), or None to go on."""
+        plateau = Schedule(t.schedule) is Schedule.plateau
+        if plateau and self.lr_scale(t) < t.plateau_floor:
+            return "floor"
+        if (t.patience and self.epoch - self.improved_epoch >= t.patience
+                and (not plateau or self.lr_cuts >= t.plateau_min_cuts)):
+            return "patience"
+        return "cap" if self.epoch >= t.epochs else None
 
 
 class Run:
@@ -69,7 +108,8 @@ class Run:
         self.params = sum(p.numel() for p in self.model.parameters())
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
         self.ctc = torch.nn.CTCLoss(blank=0, zero_infinity=True)
-        self.augment = spec_augment(t.spec_augment)
+        augment = SpecAugment(t.spec_augment, cfg.seed)
+        self.augment = augment if augment.active else None
 
         feasible = ctc_feasible(self.model, self.sets["train"])
         self.train_indices = [i for i, ok in enumerate(feasible) if ok]
@@ -81,10 +121,13 @@ class Run:
             log.warning("%d training utterances have more labels than the model's output frames allow "
                         "for CTC and are left out of training: %s", len(self.ctc_skipped), self.ctc_skipped[:10])
 
-    def lr_at(self, epoch: int, step: int) -> float:
+    def lr_at(self, progress: Progress) -> float:
+        """The rate of the step progress is at: warm-up, then the schedule (its cuts are in progress, which
+        the checkpoint holds, so a resumed run goes on at the same rate)."""
         t = self.cfg.train
-        warmup = min(1.0, (step + 1) / t.warmup_steps) if t.warmup_steps > 0 else 1.0
-        return t.lr * warmup * t.lr_gamma ** (epoch - 1)
+        warmup = min(1.0, (progress.step + 1) / t.warmup_steps) if t.warmup_steps > 0 else 1.0
+        before = replace(progress, epoch=progress.epoch - 1)  # the scale set after the previous epoch
+        return t.lr * warmup * before.lr_scale(t)
 
     def loss(self, x, x_lens, y, y_lens):
         return ctc_loss(self.model, self.ctc, x, x_lens, y, y_lens, self.bf16)
@@ -96,13 +139,6 @@ def ctc_loss(model, ctc, x, x_lens, y, y_lens, bf16: bool):
         logits, out_lens = model(x, x_lens)
     log_probs = logits.float().log_softmax(-1)
     return ctc(log_probs, y, out_lens, y_lens), log_probs, out_lens
-
-
-def spec_augment(cfg) -> torch.nn.Module | None:
-    """Frequency and time masks on (N, F, T) training features; None when both counts are 0."""
-    masks = [torchaudio.transforms.FrequencyMasking(cfg.freq_width, iid_masks=True)] * cfg.freq_masks
-    masks += [torchaudio.transforms.TimeMasking(cfg.time_width, iid_masks=True)] * cfg.time_masks
-    return torch.nn.Sequential(*masks) if masks else None
 
 
 def ctc_feasible(model: DeepSpeech2, fs: FeatureSet) -> list[bool]:
@@ -161,7 +197,7 @@ def train_in(cfg: DictConfig, folder: RunFolder, preset: str | None) -> dict:
     # "failed" when wandb could not start at all, which the log warned about: recorded beside the results
     summary = lambda status: results_of(cfg, preset, run, progress, status) | {"tracking": tracker.mode}  # noqa: E731
     try:
-        while progress.epoch < t.epochs and not (t.patience and progress.epoch - progress.improved_epoch >= t.patience):
+        while progress.stop(t) is None:
             progress.epoch += 1
             reset_peak_memory(run.device)
             synchronize(run.device)
@@ -177,17 +213,8 @@ def train_in(cfg: DictConfig, folder: RunFolder, preset: str | None) -> dict:
                    "skipped_steps": progress.skipped_steps,
                    "grad_norm_mean": epoch["grad_norm_mean"], "grad_norm_max": epoch["grad_norm_max"]}
             progress.history.append(row)
-            if val["wer"] < progress.best_val_wer:
-                progress.best_val_wer, progress.best_epoch = val["wer"], progress.epoch
+            if progress.judge(val["wer"], val["loss"], t):
                 folder.save_best(run.model, config, epoch=progress.epoch, val_wer=val["wer"])
-            # Loss too: a network still at blank output (100% WER) for its first epochs is learning while
-            # its loss falls, and patience on WER alone would stop it before it ever emits a letter. Only a
-            # real fall counts (train.patience_loss_drop since the last one): near convergence the loss
-            # drifts down by fractions of a percent for many epochs while WER no longer moves.
-            if val["loss"] < progress.loss_mark * (1 - t.patience_loss_drop):
-                progress.loss_mark, progress.improved_epoch = val["loss"], progress.epoch
-            if progress.best_epoch == progress.epoch:
-                progress.improved_epoch = progress.epoch
             folder.save_checkpoint(run.model, run.opt, asdict(progress))
             folder.write_results(summary("running"))
             tracker.log_epoch(row)
@@ -227,12 +254,12 @@ def train_epoch(run: Run, progress: Progress, tracker) -> dict:
     bar = progress_bar(batches, desc=f"epoch {progress.epoch}", unit="batch", leave=False, mininterval=2)
     for batch in bar:
         indices = [run.train_indices[i] for i in batch]
-        lr = run.lr_at(progress.epoch, progress.step)
+        lr = run.lr_at(progress)
         for group in run.opt.param_groups:
             group["lr"] = lr
         x, x_lens, y, y_lens = (b.to(run.device, non_blocking=True) for b in collate(fs, indices))
         if run.augment is not None:
-            x = run.augment(x.unsqueeze(1)).squeeze(1)  # (N, 1, F, T): a mask per utterance
+            x = run.augment(x, x_lens, [fs.ids[i] for i in indices], progress.epoch)
         buffers = [b.clone() for b in model.buffers()]  # BN running averages: a skipped step restores them
         loss, _, _ = run.loss(x, x_lens, y, y_lens)
         run.opt.zero_grad(set_to_none=True)
@@ -251,9 +278,9 @@ def train_epoch(run: Run, progress: Progress, tracker) -> dict:
                         progress.epoch, progress.step, progress.skipped_in_a_row, " ".join(fs.ids[i] for i in indices))
             if progress.skipped_in_a_row > t.max_skipped_steps:
                 raise TrainingDiverged(
-                    f"{progress.skipped_in_a_row} steps in a row had a non-finite loss or gradient in epoch {progress.epoch}; the "
-                    f"run has diverged. Lower train.lr (now {t.lr:g}) or check the data; {RESULTS} and "
-                    f"{CHECKPOINT} are as after epoch {progress.epoch - 1}")
+                    f"{progress.skipped_in_a_row} steps in a row had a non-finite loss or gradient in epoch "
+                    f"{progress.epoch}; the run has diverged. Lower train.lr (now {t.lr:g}) or check the data; "
+                    f"{RESULTS} and {CHECKPOINT} are as after epoch {progress.epoch - 1}")
             continue
         run.opt.step()
         progress.step += 1
@@ -264,7 +291,8 @@ def train_epoch(run: Run, progress: Progress, tracker) -> dict:
         tracker.log_step(progress.step, {"loss": loss.item(), "grad_norm": norms[-1], "lr": lr})
         bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
     return {"loss": total / count if count else math.nan, "utterances": count,
-            "grad_norm_mean": sum(norms) / len(norms) if norms else math.nan, "grad_norm_max": max(norms, default=math.nan)}
+            "grad_norm_mean": sum(norms) / len(norms) if norms else math.nan,
+            "grad_norm_max": max(norms, default=math.nan)}
 
 
 def results_of(cfg: DictConfig, preset: str | None, run: Run, progress: Progress, status: str) -> dict:
@@ -272,13 +300,17 @@ def results_of(cfg: DictConfig, preset: str | None, run: Run, progress: Progress
     config, t = to_container(cfg), cfg.train
     times = [r["epoch_time_s"] for r in progress.history]
     stale = progress.epoch - progress.improved_epoch
-    stop = "patience" if t.patience and stale >= t.patience else "cap" if progress.epoch >= t.epochs else None
+    stop = progress.stop(t)
     return {
         "status": status, "preset": preset, "config": config, "rnn": config["model"]["rnn"],
         "bn": config["model"]["bn"], "impl": config["model"]["impl"], "seed": cfg.seed, "study": cfg.study,
         "epochs": progress.history, "best_epoch": progress.best_epoch, "best_val_wer": progress.best_val_wer,
-        # "cap" with an improvement inside the last patience window: still improving when the cap stopped it
-        "stop": stop, "improving_at_cap": stop == "cap" and stale < max(t.patience, 1),
+        # "cap" or "floor" with an improvement inside the last patience window: still improving when it stopped
+        "stop": stop, "improving_at_cap": stop in ("cap", "floor") and stale < max(t.patience, 1),
+        # underfitting shows here: the training loss the tested model had, and how far the rate had fallen
+        "train_loss_at_best": progress.history[progress.best_epoch - 1]["train_loss"] if progress.best_epoch else None,
+        # the last epoch's, over train.lr
+        "lr_at_stop": progress.history[-1]["lr"] / t.lr if progress.history else None,
         # the median epoch: one epoch slowed by a stray process (a test run, a laptop's sleep) moves it little
         "epoch_time_s": statistics.median(times) if times else None,
         "peak_mem_mb": max((r["peak_mem_mb"] for r in progress.history), default=None),

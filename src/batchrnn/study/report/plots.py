@@ -141,7 +141,8 @@ def wer_vs_time(rows: list[dict], path: Path, drifted: bool = False) -> None:
         xerr, yerr = np.nan_to_num(row["epoch_time_s_std"]), np.nan_to_num(100 * row["test_wer_std"])
         ax.errorbar(x, y, xerr=xerr, yerr=yerr, marker=markers.get(row["rnn"], "^"), color=color, capsize=2,
                     elinewidth=0.8, markerfacecolor=color if row["impl"] == Impl.fused.value else "none")
-        ax.annotate(row["variant"], (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")  # its rate: the tables
+        # its rate: the tables
+        ax.annotate(row["variant"], (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
     times = [r["epoch_time_s"] for r in rows if r["epoch_time_s"] > 0]
     if times and max(times) > 5 * min(times):  # the cells reference is tens of times slower than fused
         ax.set_xscale("log")

@@ -18,8 +18,10 @@ depth, learning rate, sizes). Values are the mean ± sample std over its n finis
 single seed); a row never holds a seed twice. Test WER is that of the epoch with the best validation
 WER; the best test WER of each group (an rnn with its depth and other settings) is in bold. "+k
 diverged" after n: k more seeds of that setting diverged, so they have no test WER and are in no mean.
-†k after n: k of the n runs reached the epoch cap while validation WER was still improving, so they may
-not have converged; comparisons involving them say so (a † beside a ΔWER). Time and memory ratios divide by the `none` row of the
+†k after n: k of the n runs reached the epoch cap (or, under train.schedule=plateau, the rate's floor) while
+validation was still improving, so they may not have converged; comparisons involving them say so (a † beside a
+ΔWER). Train loss is the training loss at the tested epoch: a variant whose test WER trails with a higher train
+loss is underfit, not beaten at convergence. Time and memory ratios divide by the `none` row of the
 same group: measured in this sweep on one machine, they rank the variants' costs only while the machine's
 speed holds steady over the sweep (the report warns below the table when one setting's seeds took epochs
 more than {DRIFT - 1:.0%} apart; `make bench` interleaves the variants and measures their cost in one run), and
@@ -66,8 +68,8 @@ def header(summary: Summary) -> list[str]:
     lines = [f"# Study report: {summary.study}", "", f"- Preset: {summary.preset}",
              f"- Device: {summary.devices}; torch {summary.torch}", f"- Runs: {runs}"]
     if summary.only["settings"]:
-        lines.append(f"- Only the runs with {shown(summary.only['settings'])} (`--only`): {summary.only['left_out']} other "
-                     "runs in the folder are in no table, plot or comparison.")
+        lines.append(f"- Only the runs with {shown(summary.only['settings'])} (`--only`): {summary.only['left_out']} "
+                     "other runs in the folder are in no table, plot or comparison.")
     lines.append(compute_line(summary))
     if len(summary.machines) > 1:
         lines.append(f"- Machines: {len(summary.machines)} ({'; '.join(summary.machines)}). Runs are deterministic on "
@@ -127,7 +129,8 @@ def protocol(summary: Summary) -> list[str]:
                                         ". Set `protocol.widen` to 1 or more to look past it.")]
     failed = [t for t in summary.tuning if t["lr"] is None and not t["missing"]]
     if failed:
-        lines += ["", "Every rate of the grid diverged, so no seeds were trained: " + ", ".join(t["label"] for t in failed)
+        lines += ["", "Every rate of the grid diverged, so no seeds were trained: "
+                  + ", ".join(t["label"] for t in failed)
                   + ". Add lower rates to `protocol.lrs` and run the study again."]
     pending = [t for t in summary.tuning if t["lr"] is None and t["missing"]]
     if pending:
@@ -180,7 +183,7 @@ def seeds_cell(row: dict, of: str = "n") -> str:
 
 def results_table(summary: Summary) -> list[str]:
     head = identity_head(summary)
-    columns = head + ["n", "test WER %", "test CER %", "best val WER %", "epoch time s", "peak mem MB",
+    columns = head + ["n", "test WER %", "test CER %", "best val WER %", "train loss", "epoch time s", "peak mem MB",
                       "time × none", "mem × none", "params", "ΔWER vs none [95% CI]"]
     best = {}  # the best test WER of each group, in bold: placements are compared within a group
     for row in summary.rows:
@@ -192,7 +195,8 @@ def results_table(summary: Summary) -> list[str]:
         cells = identity(summary, row) + [
             seeds_cell(row),
             f"**{wer}**" if row["test_wer"] == best.get(row["group"]) else wer, fmt(row, "test_cer", 100),
-            fmt(row, "best_val_wer", 100), fmt(row, "epoch_time_s"), fmt(row, "peak_mem_mb", digits=0),
+            fmt(row, "best_val_wer", 100), fmt(row, "train_loss_at_best", digits=2), fmt(row, "epoch_time_s"),
+            fmt(row, "peak_mem_mb", digits=0),
             fmt(row, "time_ratio", digits=2), fmt(row, "mem_ratio", digits=2), fmt(row, "params", digits=0),
             vs_none(row)]
         lines.append("| " + " | ".join(cells) + " |")
@@ -201,10 +205,10 @@ def results_table(summary: Summary) -> list[str]:
     if summary.drift:
         spread = "; ".join(f"{d['label']}: {d['min_s']:.1f} to {d['max_s']:.1f} s" for d in summary.drift)
         lines += ["", f"Epoch times drifted: the seeds of {len(summary.drift)} setting{'s' * (len(summary.drift) > 1)} "
-                  f"did the same work on one machine at speeds up to {summary.drift[0]['ratio']:.2f}x apart ({spread}), "
-                  "so its speed changed while the study ran, and the time column and its ratios mix when a run ran "
-                  "with the variant's cost, in every row (seeds that all ran in one slow spell agree, so no row is "
-                  "known to be clean); the cost is `make bench`'s (How to read)."]
+                  f"did the same work on one machine at speeds up to {summary.drift[0]['ratio']:.2f}x apart "
+                  f"({spread}), so its speed changed while the study ran, and the time column and its ratios mix "
+                  "when a run ran with the variant's cost, in every row (seeds that all ran in one slow spell agree, "
+                  "so no row is known to be clean); the cost is `make bench`'s (How to read)."]
     return lines
 
 
@@ -213,7 +217,7 @@ def capped_note(c: dict) -> str:
     parts = [f"{name}: {c['capped'][label]} of {c['n'][label]}" for name, label in ((c["a_name"], c["a"]),
                                                                                     (c["b_name"], c["b"]))
              if c["capped"][label]]
-    return f"† still improving at the cap ({'; '.join(parts)})" if parts else ""
+    return f"† still improving at the cap or floor ({'; '.join(parts)})" if parts else ""
 
 
 def single_seed(c: dict) -> bool:
@@ -273,8 +277,9 @@ def significance(summary: Summary) -> str:
              + (" †" if capped_note(c) else "") for c in sig]
     lone = sum(single_seed(c) for c in sig)
     return (f"Significant at {family} (marked *): {', '.join(parts)}; not significant: {len(tested) - len(sig)} "
-            f"of {len(tested)}." + (" † a run of that comparison reached the epoch cap still improving." if any(
-                capped_note(c) for c in sig) else "")
+            f"of {len(tested)}."
+            + (" † a run of that comparison reached the epoch cap or floor still improving."
+               if any(capped_note(c) for c in sig) else "")
             + (f" {lone} of the significant rest on one seed on a side, so their intervals leave out seed-to-seed "
                "variation: more seeds may undo them." if lone else ""))
 
@@ -341,10 +346,14 @@ def compute_line(summary: Summary) -> str:
 def as_json(summary: Summary, plots: list[str]) -> dict:
     """report.json: the summary less the runs themselves (they are the results.json files), strict JSON."""
     return ready({
-        "sweep_dir": summary.sweep_dir, "study": summary.study, "preset": summary.preset, "devices": summary.devices, "machines": summary.machines, "threads": summary.threads,
-        "torch": summary.torch, "columns": summary.columns, **summary.counts, "skipped": summary.unreadable, "stopped_runs": summary.stopped,
+        "sweep_dir": summary.sweep_dir, "study": summary.study, "preset": summary.preset, "devices": summary.devices,
+        "machines": summary.machines, "threads": summary.threads,
+        "torch": summary.torch, "columns": summary.columns, **summary.counts, "skipped": summary.unreadable,
+        "stopped_runs": summary.stopped,
         "duplicates": summary.duplicates, "protocol": summary.protocol, "tuning": summary.tuning,
-        "off_grid": summary.off_grid, "failed": summary.failed, "unpaired": summary.unpaired, "compute": summary.compute, "drift": summary.drift, "only": summary.only, "significance": significance(summary) if summary.rows else None,
+        "off_grid": summary.off_grid, "failed": summary.failed, "unpaired": summary.unpaired,
+        "compute": summary.compute, "drift": summary.drift, "only": summary.only,
+        "significance": significance(summary) if summary.rows else None,
         "splits": splits(summary) if summary.rows else None, "plots": plots,
         "rows": [public(r) for r in summary.rows], "comparisons": [public(c) for c in summary.comparisons]})
 

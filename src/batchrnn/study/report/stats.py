@@ -7,7 +7,8 @@ from typing import NamedTuple
 import jiwer
 import numpy as np
 
-RESAMPLES, BOOTSTRAP_SEED = 10_000, 0  # 10,000 resamples: p-values down to 2e-4 ((0 + 1) / (B + 1), doubled), enough for Holm over dozens
+# 10,000 resamples: p-values down to 2e-4 ((0 + 1) / (B + 1), doubled), enough for Holm over dozens
+RESAMPLES, BOOTSTRAP_SEED = 10_000, 0
 ALPHA = 0.05  # family-wise
 
 

@@ -31,7 +31,7 @@ NONE, EXACT = BNMode.none.value, BNMode.seqwise.value
 # RNN (LN of U h and the cell too) against LN of W x alone.
 REFERENCES = (NONE, EXACT)
 BUILDS_ON = {BNMode.ln_full.value: BNMode.ln.value}
-METRICS = ("test_wer", "test_cer", "best_val_wer", "epoch_time_s", "peak_mem_mb")
+METRICS = ("test_wer", "test_cer", "best_val_wer", "train_loss_at_best", "epoch_time_s", "peak_mem_mb")
 # A "running" run with no file written for this long has no live owner: it was stopped (a signal, a
 # lost job). Generous, since a results file is written once an epoch and validation is not timed.
 STALE_MIN_S, STALE_EPOCHS = 600, 3
@@ -49,7 +49,8 @@ class Summary:
     preset: str
     devices: str
     machines: list[str]  # what ran the epochs; time ratios across several compare machines as well as variants
-    threads: dict[str, int]  # torch threads per run -> runs: two 1-thread jobs at once each run slower than one 2-thread job
+    # torch threads per run -> runs: two 1-thread jobs at once each run slower than one 2-thread job
+    threads: dict[str, int]
     torch: str
     counts: dict[str, int]  # runs by status: finished, running, stopped (no live owner), diverged
     unreadable: list[str]  # results.json paths that could not be read
@@ -120,8 +121,10 @@ def build(sweep_dir: Path, now: float | None = None, only: dict[str, list[str]] 
     counts = Counter(run["status"] for group in runs.values() for run in group)
     return Summary(
         sweep_dir=str(sweep_dir), study=distinct(kept, "study"), preset=distinct(kept, "preset"),
-        devices=distinct(kept, "device"), machines=sorted({r["machine"] for r in kept if r.get("machine")}), torch=distinct(kept, "torch_version"),
-        threads=dict(sorted(Counter(thread_count(r) for r in kept).items(), key=lambda kv: (not kv[0].isdigit(), len(kv[0]), kv[0]))),
+        devices=distinct(kept, "device"), machines=sorted({r["machine"] for r in kept if r.get("machine")}),
+        torch=distinct(kept, "torch_version"),
+        threads=dict(sorted(Counter(thread_count(r) for r in kept).items(),
+                            key=lambda kv: (not kv[0].isdigit(), len(kv[0]), kv[0]))),
         counts={s: counts[s] for s in ("finished", "running", "stopped", "diverged")},
         unreadable=[str(p) for p in unreadable], duplicates=duplicates, protocol=protocol,
         stopped=[run["path"] for group in runs.values() for run in group if run["status"] == "stopped"],
@@ -321,7 +324,7 @@ def make_row(runs: list[dict], columns: list[str], protocol: dict | None, choice
            "settings": {k: s.get(k) for k in columns}, "role": row_role,
            "n": len(finished), "seeds": [r["seed"] for r in finished], "diverged": len(trained) - len(finished),
            "test_wer_by_seed": [r["result"].get("test_wer") for r in finished],
-           # reached the epoch cap while validation WER was still improving: maybe not converged
+           # reached the epoch cap or the rate's floor while validation was still improving: maybe not converged
            "capped": sum(r["improving_at_cap"] for r in finished),
            # against the group's `none` (compare fills them in): the results table's last column
            "dwer": math.nan, "dwer_lo": math.nan, "dwer_hi": math.nan, "p": None, "p_holm": None, "significant": False,
@@ -414,7 +417,8 @@ def add_speed(group: list[dict]) -> None:
     epochs and seconds it trained, a lower bound, so the row's mean is one too (`censored` > 0) and can
     lose a comparison but never win it (`faster`)."""
     bests = [statistics.median(b) for r in group
-             if (b := [run["result"]["best_val_wer"] for run in r["_finished"] if run["result"].get("best_val_wer") is not None])]
+             if (b := [run["result"]["best_val_wer"] for run in r["_finished"]
+                       if run["result"].get("best_val_wer") is not None])]
     threshold = max(bests) if bests else math.nan
     for row in group:
         times, reached = [], 0
@@ -422,7 +426,8 @@ def add_speed(group: list[dict]) -> None:
             at = first_reach(run["epochs"], threshold)
             reached += at is not None
             times.append(at or (len(run["epochs"]), sum(e.get("epoch_time_s") or 0.0 for e in run["epochs"])))
-        row["threshold"], row["trained"], row["reached"], row["censored"] = threshold, len(times), reached, len(times) - reached
+        row["threshold"], row["trained"], row["reached"], row["censored"] = (threshold, len(times), reached,
+                                                                             len(times) - reached)
         row["epochs_to"], row["epochs_to_std"] = mean_std([e for e, _ in times])
         row["seconds_to"], row["seconds_to_std"] = mean_std([s for _, s in times])
 

@@ -119,3 +119,12 @@ def test_progress_on_a_terminal_is_tqdms_bar():
         pass
     assert "\r" in term.getvalue()  # redrawn in place
     assert not isinstance(progress_bar(range(1), file=term).fp, Lines)
+
+
+def test_the_slow_lane_fails_without_its_archive_when_asked_for(tmp_path):
+    """`pytest -m slow` with no AN4_ARCHIVE must fail, not skip its way to a green lane."""
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("AN4_ARCHIVE", "CI")}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-m", "slow", "-q", "-p", "no:cacheprovider",
+                          str(ROOT / "tests" / "test_an4_real.py")], capture_output=True, text=True, env=env,
+                         timeout=600, cwd=ROOT)
+    assert run.returncode != 0 and "the slow lane was asked for, but AN4_ARCHIVE is not set" in run.stdout, run.stdout

@@ -515,3 +515,99 @@ def test_fold_statistics_in_bf16_products_keep_what_centring_saves(monkeypatch, 
                 assert error < 1e-2, (offset, name, error)
             # the bf16 products did run: their rounding shows against the float32 products'
             assert not torch.equal(g.weight if bn != "ln" else g.frame_scale, e.weight if bn != "ln" else e.frame_scale)
+
+
+def an4_cpu_front_end():
+    from batchrnn.config import ConvLayer, ModelConfig
+    from batchrnn.model import ConvFrontEnd
+
+    torch.manual_seed(0)
+    conv = [ConvLayer(32, 11, 11, 2, 2), ConvLayer(32, 7, 7, 2, 2)]  # conf/experiment/an4_cpu.yaml's
+    return ConvFrontEnd(ModelConfig(conv=conv), 64).double()
+
+
+def test_conv_front_end_lengths_are_written_out():
+    """Time stride 2 twice with kernels 11 and 7 (padding k // 2): L -> (L - 1) // 2 + 1, twice."""
+    front = an4_cpu_front_end()
+    lengths = torch.tensor([100, 37, 2, 1])
+    assert front.output_lengths(lengths).tolist() == [25, 10, 1, 1]
+    y, out = front(torch.randn(4, 64, 100, dtype=torch.float64), lengths)
+    assert out.tolist() == [25, 10, 1, 1] and y.shape == (25, 4, 32 * 16)  # 64 bands -> 32 -> 16
+    assert torch.all(y[10:, 1] == 0) and torch.all(y[1:, 2] == 0), "padded output frames are zero"
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_conv_front_end_padding_never_changes_valid_frames(training):
+    front = an4_cpu_front_end().train(training)
+    lengths = torch.tensor([100, 37, 2])
+    x = torch.randn(3, 64, 100, dtype=torch.float64)
+    garbage = x.clone()
+    garbage[1, :, 37:] = 1e4
+    garbage[2, :, 2:] = float("nan")
+    y, _ = front(x, lengths)
+    torch.testing.assert_close(front(garbage, lengths)[0], y, rtol=0, atol=1e-12)
+    if not training:  # eval: each utterance alone, unpadded, gives the same frames
+        for n, length in enumerate(lengths.tolist()):
+            alone, out = front(x[n : n + 1, :, :length], lengths[n : n + 1])
+            torch.testing.assert_close(y[: int(out), n : n + 1], alone, rtol=0, atol=1e-10)
+
+
+def test_the_simple_rnn_is_ds2s_clipped_relu_recurrence_written_out():
+    """rnn's fused route is its own cell loop, so comparing those two proves nothing: this writes DS2's
+    recurrence out, h_t = min(max(W x_t + b_ih + U h_{t-1} + b_hh, 0), 20), per direction."""
+    torch.manual_seed(0)
+    m = build_recurrent_layer("rnn", "none", D, H).double()
+    with torch.no_grad():
+        m.weight_hh.mul_(8)  # large enough that the clip at 20 is reached
+    x = torch.randn(T, N, D, dtype=torch.float64) * 4
+    y = m(x, LENGTHS)
+    expected = torch.zeros(T, N, H, dtype=torch.float64)
+    for n, length in enumerate(LENGTHS.tolist()):
+        for d, order in ((0, range(length)), (1, reversed(range(length)))):
+            h = torch.zeros(H, dtype=torch.float64)
+            for t in order:
+                h = (m.weight_ih[d] @ x[t, n] + m.bias_ih[d] + m.weight_hh[d] @ h + m.bias_hh[d]).clamp(0, 20)
+                expected[t, n] += h
+    assert (expected == 20).any() and (expected == 0).any(), "both ends of the clip are exercised"
+    torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_weight_norm_is_torchs_weight_norm():
+    """wn's w = g v / |v| row by row, against torch.nn.utils.parametrizations.weight_norm on the same g, v."""
+    from batchrnn.layers.weightnorm import weight_norm
+
+    torch.manual_seed(0)
+    m = build_recurrent_layer("gru", "wn", D, H, weight_norm_recurrent=True).double()
+    for g, v in ((m.weight_ih_g[0], m.weight_ih_v[0]), (m.weight_hh_g[1], m.weight_hh_v[1])):
+        linear = nn.utils.parametrizations.weight_norm(nn.Linear(v.shape[1], v.shape[0], bias=False).double(), dim=0)
+        with torch.no_grad():
+            linear.parametrizations.weight.original0.copy_(g[:, None] * 1.7)  # off |v|, as after training
+            linear.parametrizations.weight.original1.copy_(v)
+        torch.testing.assert_close(weight_norm(g * 1.7, v), linear.weight, rtol=1e-12, atol=1e-14)
+
+
+def test_skip_is_cudnns_skip_input_recurrence_written_out():
+    """skip written out as cuDNN's skip-input mode with DS2's BN: per direction one s = BN(W x) of size H over the
+    batch's valid frames (biased variance), added to every gate of a GRU whose input bias BN's beta replaces."""
+    torch.manual_seed(0)
+    m = perturbed(build_recurrent_layer("gru", "skip", D, H).double()).train()
+    x = torch.randn(T, N, D, dtype=torch.float64)
+    y = m(x, LENGTHS)
+    valid = valid_mask(LENGTHS, T, torch.float64).bool()[..., 0]  # (T, N)
+    expected = torch.zeros(T, N, H, dtype=torch.float64)
+    for d in range(2):
+        a = x[valid] @ m.weight_ih[d].t()  # (valid frames, H)
+        gamma, beta = m.bn.weight[d * H:(d + 1) * H], m.bn.bias[d * H:(d + 1) * H]
+        s_valid = (a - a.mean(0)) / torch.sqrt(a.var(0, unbiased=False) + m.bn.eps) * gamma + beta
+        s = torch.zeros(T, N, H, dtype=torch.float64)
+        s[valid] = s_valid
+        u, b = m.weight_hh[d].view(3, H, H), m.bias_hh[d].view(3, H)
+        for n, length in enumerate(LENGTHS.tolist()):
+            h = torch.zeros(H, dtype=torch.float64)
+            for t in (range(length) if d == 0 else reversed(range(length))):
+                r = torch.sigmoid(s[t, n] + u[0] @ h + b[0])
+                z = torch.sigmoid(s[t, n] + u[1] @ h + b[1])
+                c = torch.tanh(s[t, n] + r * (u[2] @ h + b[2]))
+                h = (1 - z) * c + z * h
+                expected[t, n] += h
+    torch.testing.assert_close(y, expected, rtol=1e-10, atol=1e-12)

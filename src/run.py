@@ -10,6 +10,7 @@ A problem the user can fix ends in one `error: ...` line and exit status 2 (3: t
 sweep goes on past a run that diverged or has a damaged folder and exits with that status at the end,
 whichever launcher ran it (batchrnn.study.sweep).
 """
+import contextlib
 import logging
 import math
 import multiprocessing
@@ -91,8 +92,10 @@ def run(cfg: DictConfig) -> float:
             sys.exit(2)
         record_failed_job(2)
         return math.nan
-    with folder.logging():
+    with contextlib.ExitStack() as held:
         try:
+            held.enter_context(folder.lock())  # a second process on this run is refused before its log is touched
+            held.enter_context(folder.logging())
             results = train(cfg, folder.path, hydra_cfg.runtime.choices.get("experiment"))
         except (ConfigError, DataError) as e:  # every later job of a sweep would meet it too: stop here
             log.error("error: %s", e)

@@ -45,7 +45,8 @@ def test_a_loss_fall_counts_as_improvement_as_patience_counts_it():
 def test_patience_stops_a_plateau_run_only_after_its_minimum_cuts():
     curve = [(0.5, 1.0)] + [(0.6, 1.0)] * 10
     seen = walk(curve, plateau_wait=5, patience=2, plateau_floor=1e-3)
-    assert [stop for _, stop in seen] == [None] * 5 + ["patience"]  # epoch 6: the first cut, then patience
+    # epoch 6: the first cut; epoch 7, trained at the cut rate: patience
+    assert [stop for _, stop in seen] == [None] * 6 + ["patience"]
     assert seen[-1][0] == 0.5
     seen = walk(curve, plateau_wait=5, patience=2, plateau_floor=1e-3, plateau_min_cuts=0)
     assert [stop for _, stop in seen] == [None, None, "patience"]

@@ -2,7 +2,6 @@
 from omegaconf import DictConfig, OmegaConf
 
 from batchrnn.config import Config, ConfigError, Stage, check_known_keys
-from batchrnn.layers import check_variant
 
 
 def validate(cfg: Config | DictConfig) -> None:
@@ -61,4 +60,6 @@ def validate(cfg: Config | DictConfig) -> None:
         for name in ("channels", "kernel_freq", "kernel_time", "stride_freq", "stride_time"):
             if getattr(layer, name) <= 0:
                 raise ConfigError(f"model.conv[{i}].{name}={getattr(layer, name)}: must be positive")
+    from batchrnn.layers import check_variant  # here: it loads torch, and a bad value fails faster without
+
     check_variant(m)

@@ -115,11 +115,12 @@ def onednn_has_bf16() -> bool:
 
 def fused_recurrence(rnn: RNNType, x, w_ih, b_ih, w_hh, b_hh, training: bool) -> torch.Tensor:
     """One direction over the whole padded batch with a fused kernel: cuDNN on CUDA; on the CPU oneDNN's (torch's
-    LSTM, batchrnn.cpu_gru's GRU), or torch's step loop where cpu_gru cannot load."""
+    LSTM, batchrnn.layers.cpu_gru's GRU), or torch's step loop where cpu_gru cannot load."""
     if rnn is RNNType.rnn:
         return cell_loop(rnn, torch.addmm(b_ih, x.flatten(0, 1), w_ih.t()).view(*x.shape[:2], -1), affine(w_hh, b_hh))
-    if rnn is RNNType.gru and x.device.type == "cpu" and cpu_gru.available():
-        # torch's CPU GRU is ATen's step loop; oneDNN's lbr_gru is the same function, fused (batchrnn.cpu_gru).
+    autocast = x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+    if rnn is RNNType.gru and x.device.type == "cpu" and (autocast or x.dtype == torch.float32) and cpu_gru.available():
+        # torch's CPU GRU is ATen's step loop; oneDNN's lbr_gru is the same function, fused (layers.cpu_gru).
         # Under bf16 autocast it stays float32, as torch's GRU does. float64 (the exactness tests) runs torch's.
         with torch.autocast("cpu", enabled=False):
             args = [full_precision(t) for t in (x, w_ih, b_ih, w_hh, b_hh)]

@@ -93,28 +93,25 @@ class Workspaces:
     """Spare oneDNN workspaces, handed back by each backward for the next forward. A workspace holds a
     direction's gates and states for every step (30 MB at the an4_cpu shape). Allocated fresh, blocks that large
     come from the OS page by page on every step, which cost the GRU a tenth of its time. Each is as large as the
-    largest yet asked for, so that one fits every batch length; the pool keeps at most as many as were ever in
-    use at once."""
+    largest yet asked for, so that one fits every batch length. A new one is made only when none is spare, so
+    the pool never holds more than were once in use at the same time; a forward whose backward never runs (a
+    skipped step, a dropped graph) just lets its workspace go. One thread, as CPU autograd runs backward on
+    the thread that called it."""
 
     def __init__(self):
         self.spare: list[torch.Tensor] = []
-        self.in_use = self.most_in_use = self.largest = 0
+        self.largest = 0
 
     def take(self, nbytes: int) -> torch.Tensor:
-        self.in_use += 1
-        self.most_in_use = max(self.most_in_use, self.in_use)
-        fits = [w for w in self.spare if w.numel() >= nbytes]
-        if fits:
-            self.spare.remove(fits[0])
-            return fits[0]
+        if self.spare and self.spare[-1].numel() >= nbytes:
+            return self.spare.pop()
         self.largest = max(self.largest, nbytes)
         return torch.empty(self.largest, dtype=torch.uint8)
 
     def give(self, workspace: torch.Tensor) -> None:
-        self.in_use = max(self.in_use - 1, 0)
         if workspace.numel() == self.largest:  # smaller ones would not fit the longest batches
             self.spare.append(workspace)
-        self.spare = [w for w in self.spare if w.numel() == self.largest][-self.most_in_use:]
+        self.spare = [w for w in self.spare if w.numel() == self.largest]
 
 
 WORKSPACES = Workspaces()
@@ -125,9 +122,8 @@ class LbrGRU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w_ih, w_hh, b_ih, b_hh):
-        training = any(ctx.needs_input_grad)  # forward runs with grad off; keep the workspace if backward comes
-        spare = WORKSPACES.take(extension().workspace_bytes(*x.shape, w_hh.shape[1])) if training else None
-        y, workspace = extension().forward(x, w_ih, w_hh, b_ih, b_hh, training, spare)
+        spare = WORKSPACES.take(extension().workspace_bytes(*x.shape, w_hh.shape[1]))  # recurrence(): backward comes
+        y, workspace = extension().forward(x, w_ih, w_hh, b_ih, b_hh, True, spare)
         ctx.save_for_backward(x, w_ih, w_hh, b_ih, b_hh, y)
         ctx.workspace = workspace
         return y
@@ -145,6 +141,9 @@ class LbrGRU(torch.autograd.Function):
 
 
 def recurrence(x, w_ih, b_ih, w_hh, b_hh) -> torch.Tensor:
-    """y (T, N, H) of one direction (rnn.fused_recurrence's argument order); float32 CPU tensors."""
-    return LbrGRU.apply(x.contiguous(), *(t.contiguous() for t in (w_ih, w_hh, b_ih, b_hh)))
+    """y (T, N, H) of one direction (fused_recurrence's argument order); float32 CPU tensors."""
+    args = [t.contiguous() for t in (x, w_ih, w_hh, b_ih, b_hh)]
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in args)):  # no backward: no workspace
+        return extension().forward(*args, False, None)[0]
+    return LbrGRU.apply(*args)
 

@@ -32,7 +32,7 @@ class SpecAugment:
             g = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}/{epoch}/{uid}".encode()))
             u = iter(torch.rand(2 * (c.freq_masks + c.time_masks), generator=g, dtype=torch.float64).tolist())
             for _ in range(c.freq_masks):  # as torchaudio draws one: width U[0, W), start U[0, size - width)
-                width = next(u) * c.freq_width
+                width = next(u) * min(c.freq_width, bins)
                 start = next(u) * (bins - width)
                 x[k, int(start):int(start + width), :length] = 0
             for _ in range(c.time_masks):

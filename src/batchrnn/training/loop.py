@@ -77,13 +77,14 @@ class Progress:
 
     def stop(self, t) -> str | None:
         """Why the run ends now: floor (schedule=plateau: the rate fell below plateau_floor x lr), patience
-        (no improvement for train.patience epochs; under plateau only after plateau_min_cuts cuts), cap
-        (train.epochs), or None to go on."""
+        (no improvement for train.patience epochs; under plateau only after plateau_min_cuts cuts and an epoch
+        at the last cut's rate), cap (train.epochs), or None to go on."""
         plateau = Schedule(t.schedule) is Schedule.plateau
         if plateau and self.lr_scale(t) < t.plateau_floor:
             return "floor"
+        # under plateau, only once the run has been cut plateau_min_cuts times and trained an epoch at that rate
         if (t.patience and self.epoch - self.improved_epoch >= t.patience
-                and (not plateau or self.lr_cuts >= t.plateau_min_cuts)):
+                and (not plateau or (self.lr_cuts >= t.plateau_min_cuts and self.epoch > self.cut_epoch))):
             return "patience"
         return "cap" if self.epoch >= t.epochs else None
 
@@ -172,7 +173,7 @@ def train(cfg: DictConfig, out_dir: Path, preset: str | None = None) -> dict:
     """Run (or resume, or return if finished) one training run in out_dir; preset names the experiment."""
     validate(cfg)
     folder = RunFolder(out_dir)
-    with folder.lock():  # a second process on the same run is refused here, before it reads or writes anything
+    with folder.lock():  # a second process on the same run is refused here (src/run.py takes it before its log)
         return train_in(cfg, folder, preset)
 
 

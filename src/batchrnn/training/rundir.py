@@ -24,6 +24,7 @@ from batchrnn.storage import atomic_write, write_json
 log = logging.getLogger(__name__)
 CHECKPOINT, BEST, RESULTS, LOG = "checkpoint.pt", "best.pt", "results.json", "run.log"
 LOCK = ".lock"  # held (fcntl.flock) by the process training the run; says who, for the refusal's message
+HELD: set[Path] = set()  # the run folders this process holds
 
 
 class RunError(RuntimeError):
@@ -56,23 +57,36 @@ class RunFolder:
         """This process alone trains the run while it holds the folder: a second process (the same command in
         another terminal, a second `make studies`) is refused at once. An OS lock, so a process killed even
         with -9 leaves nothing behind that would block its resume."""
+        key = self.path.resolve()
+        if key in HELD:  # this process holds it already (src/run.py takes it before the run's log opens)
+            yield
+            return
         handle = open(self.file(LOCK), "a+")
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip() or "another process"
+                raise RunError(f"is being trained by {holder}; wait for it to end, or stop it (a stopped run "
+                               "resumes) and run this again") from None
+            except OSError as e:  # a filesystem without flock (some NFS, Lustre without -o flock)
+                raise RunError(f"{self.file(LOCK)}: cannot be locked on this filesystem ({one_line(e)}); put "
+                               "the study folder on a local disk") from e
             handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            handle.close()
-            raise RunError(f"is being trained by {holder}; wait for it to end, or stop it (a stopped run "
-                           "resumes) and run this again") from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"process {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
-        handle.flush()
-        try:
-            yield
+            handle.truncate()
+            handle.write(f"process {os.getpid()} on {socket.gethostname()} since "
+                         f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
+            handle.flush()
+            HELD.add(key)
+            try:
+                yield
+            finally:
+                HELD.discard(key)
+                handle.seek(0)
+                handle.truncate()  # no stale holder for the next process to read
+                fcntl.flock(handle, fcntl.LOCK_UN)
         finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
             handle.close()
 
     def results(self) -> dict:

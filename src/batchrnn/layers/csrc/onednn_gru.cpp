@@ -6,7 +6,7 @@
 // Layouts. torch: x (T, N, D); w_ih (3H, D) and w_hh (3H, H) with gates (r, z, n); b_ih, b_hh (3H).
 // oneDNN: gates (u, r, n) with u = torch's z; weights {L, D, I, G, O}, here given as ldgoi (torch's row-major
 // (G*O, I)); bias {L, D, G + 1, O} = [b_z_ih + b_z_hh, b_r_ih + b_r_hh, b_in, b_hn]. The initial state is 0, as
-// the layers use it. float32 only (oneDNN's RNNs have no float64); batchrnn.onednn_gru routes the rest to torch.
+// the layers use it. float32 only (oneDNN's RNNs have no float64); batchrnn.layers.cpu_gru routes the rest to torch.
 #include <torch/extension.h>
 #include <oneapi/dnnl/dnnl.hpp>
 
@@ -98,21 +98,17 @@ struct Primitives {
   dnnl::lbr_gru_backward::primitive_desc backward_pd;
   dnnl::lbr_gru_forward train, infer;
   dnnl::lbr_gru_backward backward;
-  Reorder w_layer, w_iter, bwd_w_layer, bwd_w_iter, dw_layer, dw_iter;
+  Reorder w_layer, w_iter, infer_w_layer, infer_w_iter, bwd_w_layer, bwd_w_iter, dw_layer, dw_iter;
   explicit Primitives(const Shapes& shapes)
       : sh(shapes), train_pd(sh.forward_pd(dnnl::prop_kind::forward_training)),
         infer_pd(sh.forward_pd(dnnl::prop_kind::forward_inference)), backward_pd(sh.backward_pd(train_pd)),
         train(train_pd), infer(infer_pd), backward(backward_pd),
         w_layer(sh.w_layer, train_pd.weights_layer_desc()), w_iter(sh.w_iter, train_pd.weights_iter_desc()),
+        infer_w_layer(sh.w_layer, infer_pd.weights_layer_desc()), infer_w_iter(sh.w_iter, infer_pd.weights_iter_desc()),
         bwd_w_layer(sh.w_layer, backward_pd.weights_layer_desc()),
         bwd_w_iter(sh.w_iter, backward_pd.weights_iter_desc()),
         dw_layer(backward_pd.diff_weights_layer_desc(), sh.w_layer),
-        dw_iter(backward_pd.diff_weights_iter_desc(), sh.w_iter) {
-    // inference takes the training layouts (checked, so that one reorder serves both)
-    TORCH_CHECK(infer_pd.weights_layer_desc() == train_pd.weights_layer_desc() &&
-                infer_pd.weights_iter_desc() == train_pd.weights_iter_desc(),
-                "onednn_gru: inference and training want different weight layouts");
-  }
+        dw_iter(backward_pd.diff_weights_iter_desc(), sh.w_iter) {}
 };
 
 const Primitives& primitives(int64_t T, int64_t N, int64_t D, int64_t H) {
@@ -148,7 +144,8 @@ std::vector<torch::Tensor> forward(torch::Tensor x, torch::Tensor w_ih, torch::T
   const Shapes& sh = p.sh;
   const auto& pd = training ? p.train_pd : p.infer_pd;
   dnnl::stream s(cpu_engine());
-  auto wl = p.w_layer(swap_rz(w_ih), s), wi = p.w_iter(swap_rz(w_hh), s);
+  auto wl = (training ? p.w_layer : p.infer_w_layer)(swap_rz(w_ih), s);
+  auto wi = (training ? p.w_iter : p.infer_w_iter)(swap_rz(w_hh), s);
   auto bias = onednn_bias(b_ih, b_hh);
   auto y = torch::empty({sh.T, sh.N, sh.H}, x.options());
   auto ws_bytes = training ? static_cast<int64_t>(pd.workspace_desc().get_size()) : 0;

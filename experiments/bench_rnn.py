@@ -87,7 +87,10 @@ def gpu_probe_silenced():
 
 
 def peak_mb(model, x, lengths, device, amp) -> float:
+    from batchrnn.layers import cpu_gru
+
     model.zero_grad(set_to_none=True)
+    cpu_gru.WORKSPACES.clear()  # the GRU's pooled workspaces are the step's memory: allocated afresh, counted
     if device.type == "cuda":
         sync(device)
         torch.cuda.reset_peak_memory_stats(device)

@@ -23,7 +23,7 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from batchrnn.config import ConfigError, register_configs, to_container, with_device_preset
 from batchrnn.validation import validate
@@ -70,7 +70,7 @@ def run(cfg: DictConfig) -> float:
     if cfg.train.threads == 0:  # the job's share of the cores, recorded in results.json
         cfg.train.threads = job_threads(HydraConfig.get().launcher, len(os.sched_getaffinity(0)))
     from batchrnn.data.corpus import DataError  # after validation: a bad value fails before torch loads
-    from batchrnn.study.protocol import ProtocolError, nothing_to_widen, stage_lr
+    from batchrnn.study.protocol import ProtocolError, nothing_to_widen, stage_settings
     from batchrnn.training.identity import run_name
     from batchrnn.training.rundir import RunError, RunFolder
     from batchrnn.training.loop import TrainingDiverged, train
@@ -78,13 +78,14 @@ def run(cfg: DictConfig) -> float:
     hydra_cfg = HydraConfig.get()
     study_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        # final: the rate the tuning stage chose for this variant; widen: one more past the grid's edge, if its
-        # best lies there
-        lr = stage_lr(study_dir, to_container(cfg))
-        if lr is None:
+        # final: the rate (and SpecAugment) the tuning stages chose for this variant; augment: that rate with
+        # SpecAugment off; widen: one more rate past the grid's edge, if its best lies there
+        chosen = stage_settings(study_dir, to_container(cfg))
+        if chosen is None:
             log.info("%s", nothing_to_widen(to_container(cfg)))
             return math.nan
-        cfg.train.lr = lr
+        for key, value in chosen.items():
+            OmegaConf.update(cfg, key, value)
         folder = RunFolder(study_dir / run_name(to_container(cfg)))
     except ProtocolError as e:  # this variant's tuning is missing or all diverged: a sweep goes on with the others
         log.error("error: %s", e)

@@ -72,6 +72,40 @@ def test_each_variant_gets_the_rate_with_the_lowest_mean_validation_wer():
         assert [c["lr"] for c in choose_lrs(copies, [1e-3, 2e-3], [1]).values()] == [1e-3]
 
 
+def augmented(lr, seed, val, on=True, status="finished", bn="none"):
+    """A tuning run of a study that tunes SpecAugment (protocol.tune_spec_augment): on, or off (stage augment)."""
+    r = result(lr, seed, val, status, bn)
+    r["config"]["train"]["spec_augment"] = {"enabled": on}
+    r["config"]["protocol"] = {"tune_spec_augment": True}
+    return r
+
+
+def test_spec_augment_is_chosen_at_the_chosen_rate_like_the_rate():
+    lrs, on = [1e-3, 2e-3], [augmented(1e-3, s, v) for s, v in ((1, 0.30), (2, 0.32))] + [
+        augmented(2e-3, s, v) for s, v in ((1, 0.20), (2, 0.24))]
+
+    def only(runs):
+        (choice,) = choose_lrs(runs, lrs, [1, 2], tune_augment=True).values()  # one variant: on and off alike
+        return choice
+
+    c = only(on)  # the rate is chosen over the runs with SpecAugment on; off not tried yet
+    assert (c["lr"], c["augment"], c["augment_missing"]) == (2e-3, None, [1, 2])
+    assert c["by_augment"] == {"on": pytest.approx(0.22), "off": None}
+    off = [augmented(2e-3, 1, 0.18, on=False), augmented(2e-3, 2, 0.20, on=False)]
+    c = only(on + off)
+    assert (c["lr"], c["augment"]) == (2e-3, False) and c["by_augment"]["off"] == pytest.approx(0.19)
+    # a run off at a better score but at another rate plays no part in the rate's choice
+    assert only(on + off + [augmented(1e-3, 1, 0.01, on=False), augmented(1e-3, 2, 0.01, on=False)])["lr"] == 2e-3
+    assert only(on + [augmented(2e-3, 1, 0.22, on=False), augmented(2e-3, 2, 0.22, on=False)])["augment"] is True  # tie
+    assert only(on + off[:1])["augment"] is None and only(on + off[:1])["augment_missing"] == [2]
+    diverged = [augmented(2e-3, 1, math.nan, on=False, status="diverged"), off[1]]
+    assert only(on + diverged)["augment"] is True  # a diverged seed loses off, as it loses a rate
+    assert only(on[:3])["augment_missing"] == [] and only(on[:3])["augment"] is None  # the rate not chosen yet
+    # without tune_augment, off and on are two variants, each with its own rate
+    assert len(choose_lrs([result(1e-3, 1, 0.3)] + [r | {"config": r["config"] | {"protocol": {}}} for r in off],
+                          lrs, [1, 2])) == 2
+
+
 def test_a_variant_whose_best_rate_is_an_edge_of_the_grid_is_tuned_one_rate_past_it():
     lrs = [1e-3, 2e-3, 4e-3]
     top = [result(1e-3, 1, 0.3), result(2e-3, 1, 0.2), result(4e-3, 1, 0.1)]
@@ -139,6 +173,57 @@ def test_widen_stage_trains_only_the_variant_whose_best_rate_is_an_edge(tmp_path
     assert final.returncode == 0, final.stderr[-3000:]
     (seed2,) = [r for r in read_study(tmp_path)[0] if r["seed"] == 2]
     assert seed2["config"]["train"]["lr"] == 8e-3 and seed2["status"] == "finished"
+
+
+def test_stage_augment_comes_after_the_rate_and_before_the_seeds(make_config):
+    names = lambda *o: [name for name, _ in stages(["experiment=smoke", "protocol.lrs=[1e-3,2e-3]", *o])]  # noqa: E731
+    assert names() == ["tune", "final"]
+    on = ("train.spec_augment.time_masks=1", "protocol.tune_spec_augment=true")
+    assert names(*on) == ["tune", "augment", "final"]
+    assert names(*on, "protocol.lrs=[1e-3,2e-3,4e-3]", "protocol.widen=1") == ["tune", "widen", "augment", "final"]
+    (_, augment), _ = stages(["experiment=smoke", "protocol.lrs=[1e-3,2e-3]", *on])[1:]
+    assert "protocol.stage=augment" in augment and "seed=1" in augment
+    with pytest.raises(ConfigError, match="protocol.tune_spec_augment=true: SpecAugment has no masks"):
+        validate(make_config("experiment=smoke", "protocol.lrs=[1e-3]", "protocol.tune_spec_augment=true"))
+    with pytest.raises(ConfigError, match="protocol.stage=augment: protocol.tune_spec_augment is false"):
+        validate(make_config("experiment=smoke", "protocol.lrs=[1e-3]", "protocol.stage=augment"))
+
+
+def test_stage_augment_trains_off_at_the_chosen_rate_and_final_takes_the_better(tmp_path, smoke_root):
+    """Tuning results as copies of one real run: none's best rate is 2e-3. Stage augment trains seed 1 at 2e-3
+    with SpecAugment off; where off scores better, stage final trains seed 2 off, at 2e-3, and otherwise on."""
+    base = [sys.executable, "src/run.py", "-m", "experiment=smoke", f"data.root={smoke_root}",
+            f"hydra.sweep.dir={tmp_path}", "protocol.lrs=[1e-3,2e-3]", "train.spec_augment.time_masks=1",
+            "protocol.tune_spec_augment=true"]
+    early = subprocess.run([*base, "protocol.stage=augment", "seed=1"], capture_output=True, text=True, timeout=600,
+                           cwd=ROOT)
+    assert early.returncode == 2 and "the tuning stage of gru-none (L2) is not complete" in early.stdout + early.stderr
+    tune = subprocess.run([*base, "protocol.stage=tune", "train.lr=1e-3", "seed=1"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert tune.returncode == 0, tune.stderr[-3000:]
+    (path,) = tmp_path.rglob(RESULTS)
+    real = json.loads(path.read_text())
+    path.write_text(json.dumps(real | {"best_val_wer": 0.3}))
+    copy = json.loads(json.dumps(real)) | {"best_val_wer": 0.2}
+    copy["config"]["train"]["lr"] = 2e-3
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / RESULTS).write_text(json.dumps(copy))
+    seed2 = subprocess.run([*base, "protocol.stage=final", "seed=2"], capture_output=True, text=True, timeout=600,
+                           cwd=ROOT)
+    assert seed2.returncode == 2 and "stage augment of gru-none (L2) is not complete" in seed2.stdout + seed2.stderr
+    augment = subprocess.run([*base, "protocol.stage=augment", "seed=1"], capture_output=True, text=True,
+                             timeout=600, cwd=ROOT)
+    assert augment.returncode == 0, augment.stderr[-3000:]
+    (off,) = [r for r in read_study(tmp_path)[0] if not r["config"]["train"]["spec_augment"]["enabled"]]
+    assert (off["config"]["train"]["lr"], off["seed"], off["status"]) == (2e-3, 1, "finished")
+    for off_wer, kept in ((0.1, False), (0.25, True)):
+        (Path(off["path"]) / RESULTS).write_text(json.dumps(off | {"best_val_wer": off_wer}))
+        final = subprocess.run([*base, "protocol.stage=final", "seed=2", "train.rerun=true"], capture_output=True,
+                               text=True, timeout=600, cwd=ROOT)
+        assert final.returncode == 0, final.stderr[-3000:]
+        (run,) = [r for r in read_study(tmp_path)[0] if r["seed"] == 2 and r["config"]["train"]["spec_augment"][
+            "enabled"] is kept]
+        assert run["config"]["train"]["lr"] == 2e-3 and run["status"] == "finished"
 
 
 def test_final_stage_without_its_tuning_runs_says_what_is_missing(config, make_config, tmp_path):

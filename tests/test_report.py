@@ -359,6 +359,41 @@ def test_runs_from_before_widening_existed_are_read_unwidened(tmp_path):
     assert data["off_grid"] == ["gru-none lr=0.008", "gru-seqwise lr=0.008"]
 
 
+def test_spec_augment_tuned_beside_the_rate_shows_both_choices(tmp_path):
+    """protocol.tune_spec_augment: none and input tuned over two rates with SpecAugment on, then off at the chosen
+    rate (stage augment). none keeps off (25% against 30%), input keeps on (30% against 25%); seqwise's off run is
+    still going. The verdict holds each variant's runs at both of its choices."""
+    p = {"lrs": [1e-3, 3e-3], "tune_seeds": [1], "seeds": [1, 2], "tune_spec_augment": True}
+
+    def run(bn, seed, lr, on, val, stage, status="finished"):
+        c = config(bn, seed, lr, p | {"stage": stage})
+        c["train"]["spec_augment"] |= {"enabled": on, "time_masks": 2}
+        write(tmp_path, f"{bn}-{lr}-{seed}-{on}", result(c, set(range(5 if on else 2)), [0.9, val], status=status))
+
+    for bn, chosen in (("none", 1e-3), ("input", 3e-3), ("seqwise", 3e-3)):
+        run(bn, 1, 1e-3, True, 0.30 if chosen == 1e-3 else 0.35, "tune")
+        run(bn, 1, 3e-3, True, 0.40 if chosen == 1e-3 else 0.25, "tune")
+    run("none", 1, 1e-3, False, 0.25, "augment")
+    run("none", 2, 1e-3, False, 0.26, "final")
+    run("input", 1, 3e-3, False, 0.30, "augment")
+    run("input", 2, 3e-3, True, 0.26, "final")
+    run("seqwise", 1, 3e-3, False, 0.9, "augment", status="running")
+    text = write_report(tmp_path).read_text()
+    tuning = section(text, "Protocol: each variant's learning rate and SpecAugment, chosen on validation")
+    assert "| variant | lr 0.001 | lr 0.003 | SpecAugment off | SpecAugment |" in tuning
+    assert table_rows(tuning) == [["gru-none", "**30.0 ✓**", "40.0", "**25.0 ✓**", "off"],
+                                  ["gru-input", "35.0", "**25.0 ✓**", "30.0", "on"],
+                                  ["gru-seqwise", "35.0", "**25.0 ✓**", "…", "…"]]
+    assert "SpecAugment still tuning, so in no verdict yet: gru-seqwise (seeds 1 with it off at lr 0.003)" in tuning
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert [(r["bn"], r["lr"], r["seeds"], r["label"]) for r in data["rows"]] == [
+        ("none", 1e-3, [1, 2], "gru-none lr=0.001 spec_augment=off"),
+        ("input", 3e-3, [1, 2], "gru-input lr=0.003 spec_augment=on")]
+    assert [(t["augment"], t["by_augment"]) for t in data["tuning"]][:2] == [
+        (False, {"on": 0.30, "off": 0.25}), (True, {"on": 0.25, "off": 0.30})]
+    assert [c["a_name"] + " vs " + c["b_name"] for c in data["comparisons"]] == ["input vs none"]
+
+
 def test_a_run_still_improving_at_the_cap_is_marked(tmp_path):
     protocol_study(tmp_path, capped="input")
     text = write_report(tmp_path).read_text()

@@ -13,7 +13,7 @@ from batchrnn.training.rundir import RESULTS
 from batchrnn.validation import validate
 
 PLATEAU = dict(schedule="plateau", plateau_wait=1, plateau_factor=0.5, plateau_min_cuts=1, plateau_floor=0.1,
-               patience=3, patience_loss_drop=0.02, warmup_steps=0, epochs=100, lr_gamma=0.9)
+               plateau_hold_blank=True, patience=3, patience_loss_drop=0.02, warmup_steps=0, epochs=100, lr_gamma=0.9)
 
 
 def walk(curve, **settings):
@@ -38,8 +38,18 @@ def test_the_rate_is_held_while_validation_improves_and_cut_when_it_stops():
 
 
 def test_a_loss_fall_counts_as_improvement_as_patience_counts_it():
-    seen = walk([(1.0, 3.0), (1.0, 2.5), (1.0, 2.0), (1.0, 1.99)], plateau_floor=1e-3)
+    seen = walk([(0.9, 3.0), (0.9, 2.5), (0.9, 2.0), (0.9, 1.99)], plateau_floor=1e-3)
     assert [s for s, _ in seen] == [1, 1, 1, 0.5]  # 2% falls held the rate; 0.5% does not
+
+
+def test_no_cut_while_the_network_has_not_got_a_word_right():
+    """CTC's blank phase (validation WER 100%, the loss falling by less than patience_loss_drop an epoch): the rate
+    is held until a word is right; a run that stays blank with its loss not falling is stopped by patience."""
+    slow = [(1.0, 3.0), (1.0, 2.99), (1.0, 2.98), (1.0, 2.9), (0.95, 2.8), (0.95, 2.8)]
+    assert [s for s, _ in walk(slow, plateau_floor=1e-3)] == [1, 1, 1, 1, 1, 0.5]
+    assert [s for s, _ in walk(slow, plateau_floor=1e-3, plateau_hold_blank=False)][:3] == [1, 0.5, 0.25]
+    stuck = walk([(1.0, 3.0)] * 10, plateau_floor=1e-3, patience=3)
+    assert stuck[-1] == (1, "patience") and len(stuck) == 4
 
 
 def test_patience_stops_a_plateau_run_only_after_its_minimum_cuts():
@@ -78,8 +88,9 @@ def test_bad_plateau_settings_are_refused(make_config, override, message):
         validate(make_config("experiment=smoke", override))
 
 
+# cuts even if smoke gets no word right in 4 epochs
 PLATEAU_RUN = ("train.schedule=plateau", "train.plateau_wait=1", "train.patience=0", "train.patience_loss_drop=0.9",
-               "train.plateau_floor=1e-6")
+               "train.plateau_floor=1e-6", "train.plateau_hold_blank=false")
 
 
 def test_resume_in_the_middle_of_a_plateau_is_the_uninterrupted_run(make_config, smoke_root, tmp_path):

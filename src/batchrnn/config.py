@@ -38,7 +38,9 @@ class Stage(str, Enum):
     single = "single"  # one run at train.lr as given
     tune = "tune"  # the learning-rate search: train.lr as given, swept over protocol.lrs by the study driver
     widen = "widen"  # train.lr: the rate past the grid's edge where this variant's best lies (protocol.widen)
-    final = "final"  # train.lr replaced by the rate the tuning stage chose for this variant (batchrnn.study.protocol)
+    # protocol.tune_spec_augment: the tuning seeds again at the rate the tuning chose, with SpecAugment off
+    augment = "augment"
+    final = "final"  # train.lr (and SpecAugment, where tuned) as the tuning stages chose for this variant
 
 
 class Schedule(str, Enum):
@@ -134,6 +136,8 @@ class SpecAugmentConfig:
     # same whatever batch it lands in and however many processes train (data-parallel). false: torchaudio's
     # masks from the process's random stream over the padded batch, as the earlier studies drew them.
     per_utterance: bool = False
+    # false: no masks, whatever the counts above. The study's stage augment (protocol.tune_spec_augment) tunes it.
+    enabled: bool = True
 
 
 @dataclass
@@ -158,6 +162,11 @@ class TrainConfig:
     # plateau_floor x lr.
     plateau_min_cuts: int = 1
     plateau_floor: float = 1e-3
+    # No cut while the network has not yet got a word right (best validation WER 100%): under CTC its blank phase
+    # is where it has not started, not a plateau of what it can learn, and its loss falls slowly there (the plain
+    # LSTM was cut twice before it emitted a word: experiments/converged.md). Patience still stops a run that
+    # stays blank without its loss falling. false: cuts from the end of warm-up, as torch's ReduceLROnPlateau.
+    plateau_hold_blank: bool = True
     # Linear warm-up over this many optimizer steps (0: none).
     warmup_steps: int = 0
     max_grad_norm: float = 400.0
@@ -215,6 +224,10 @@ class ProtocolConfig:
     # A study folder whose finished runs this study takes instead of training them again, where a run's
     # settings are the same (its folder name is): the depth study's 3-layer runs are the grid's. "": none.
     reuse_from: str = ""
+    # SpecAugment as a tuning dimension beside the rate, by coordinate search: stage augment trains each
+    # variant's tune_seeds once more at its chosen rate with SpecAugment off (train.spec_augment.enabled=false),
+    # and the variant keeps whichever of on and off has the lower mean best validation WER (ties: on).
+    tune_spec_augment: bool = False
 
 
 @dataclass

@@ -49,9 +49,16 @@ def validate(cfg: Config | DictConfig) -> None:
         raise ConfigError(f"protocol.lrs={list(p.lrs)}: every learning rate must be positive")
     if not p.seeds or not p.tune_seeds:
         raise ConfigError("protocol.seeds and protocol.tune_seeds: need at least one seed each")
-    if Stage(p.stage) in (Stage.final, Stage.widen) and not p.lrs:
+    if Stage(p.stage) in (Stage.final, Stage.widen, Stage.augment) and not p.lrs:
         raise ConfigError(f"protocol.stage={Stage(p.stage).value}: protocol.lrs is empty, so there is no tuning stage "
                           f"to take a rate from; set protocol.lrs, or drop protocol.stage and give train.lr")
+    if p.tune_spec_augment and t.spec_augment.freq_masks + t.spec_augment.time_masks == 0:
+        raise ConfigError("protocol.tune_spec_augment=true: SpecAugment has no masks (train.spec_augment.freq_masks "
+                          "and time_masks are 0), so there is nothing to tune it against; give it masks, or drop "
+                          "protocol.tune_spec_augment")
+    if Stage(p.stage) is Stage.augment and not p.tune_spec_augment:
+        raise ConfigError("protocol.stage=augment: protocol.tune_spec_augment is false, so no stage tunes SpecAugment; "
+                          "set protocol.tune_spec_augment=true, or pick another stage")
     if p.widen < 0:
         raise ConfigError(f"protocol.widen={p.widen}: must be 0 (never) or more")
     if not m.conv:

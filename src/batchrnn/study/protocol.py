@@ -1,10 +1,11 @@
-"""Which learning rate each variant gets: the fair protocol's rule over a study's tuning runs (stage tune, its
-widening past an edge, and stage final). A run's identity is batchrnn.training.identity's.
+"""Which learning rate (and, where tuned, SpecAugment setting) each variant gets: the fair protocol's rule over a
+study's tuning runs (stage tune, its widening past an edge, stage augment, and stage final). A run's identity is
+batchrnn.training.identity's.
 """
 import math
 from collections import defaultdict
 
-from batchrnn.training.identity import settings, variant_key, variant_label
+from batchrnn.training.identity import AUGMENT, LR, augment_on, settings, variant_key, variant_label
 from batchrnn.training.rundir import read_study
 
 
@@ -50,34 +51,55 @@ def variant_grid(lrs: list[float], by_lr: dict[float, float | None], widen: int)
     return grid
 
 
-def choose_lrs(results: list[dict], lrs: list[float], tune_seeds: list[int], widen: int = 0) -> dict[str, dict]:
+def choose_lrs(results: list[dict], lrs: list[float], tune_seeds: list[int], widen: int = 0,
+               tune_augment: bool = False) -> dict[str, dict]:
     """{variant key: {"lr": chosen rate or None, "grid": its rates, "by_lr": {rate: mean best val WER or
     None}, "missing": [(rate, seed), ...]}} for every variant among `results` (results.json dicts). The
     rule: the rate of the variant's grid (`lrs`, widened past the edge where its best lies: variant_grid)
     with the lowest best validation WER averaged over `tune_seeds`; ties go to the smaller rate. Nothing
-    is chosen while a tuning run is missing or unfinished, nor when every rate diverged."""
-    found = defaultdict(dict)  # variant -> {(lr, seed): val WER}
+    is chosen while a tuning run is missing or unfinished, nor when every rate diverged.
+
+    tune_augment (protocol.tune_spec_augment): the rates are tuned with SpecAugment on, and each entry also has
+    "augment" (True: on, False: off, None: not chosen yet), "by_augment" {"on": val WER at the chosen rate,
+    "off": the same with SpecAugment off, or None} and "augment_missing" (the tuning seeds without a finished
+    run off at the chosen rate). Off is kept only where it is strictly better."""
+    found = defaultdict(dict)  # variant -> {(lr, SpecAugment on or None, seed): val WER}
     for r in results:
         config, value = r["config"], val_wer_for_choice(r)
         runs = found[variant_key(config)]
-        key = config["train"]["lr"], config["seed"]
+        key = config["train"]["lr"], augment_on(config) if tune_augment else None, config["seed"]
         old = runs.get(key)  # a second folder of the same run (hand-made): finished beats diverged beats running
         if old is None or (old == math.inf and value is not None):
             runs[key] = value
+    on = True if tune_augment else None  # the rates are tuned with SpecAugment on
     choice = {}
     for variant, runs in found.items():
-        means = {}
-        for lr in set(lrs) | {lr for lr, _ in runs}:
-            values = [runs.get((lr, seed)) for seed in tune_seeds]
-            means[lr] = None if None in values else sum(values) / len(values)
+        means = {lr: mean_of([runs.get((lr, on, seed)) for seed in tune_seeds])
+                 for lr in set(lrs) | {lr for lr, _, _ in runs}}
         grid = variant_grid(lrs, means, widen)
-        missing = [(lr, seed) for lr in grid for seed in tune_seeds if runs.get((lr, seed)) is None]
+        missing = [(lr, seed) for lr in grid for seed in tune_seeds if runs.get((lr, on, seed)) is None]
         by_lr = {lr: means.get(lr) for lr in grid}
         chosen = None if missing else min(grid, key=lambda lr: (by_lr[lr], lr))
         if chosen is not None and by_lr[chosen] == math.inf:
             chosen = None  # every rate diverged: there is no rate to train the seeds at
         choice[variant] = {"lr": chosen, "grid": grid, "by_lr": by_lr, "missing": missing}
+        if tune_augment:
+            off = [runs.get((chosen, False, seed)) for seed in tune_seeds] if chosen is not None else []
+            by_augment = {"on": by_lr[chosen] if chosen is not None else None, "off": mean_of(off)}
+            augment = None if chosen is None or by_augment["off"] is None else not by_augment["off"] < by_augment["on"]
+            choice[variant] |= {"augment": augment, "by_augment": by_augment,
+                                "augment_missing": [seed for seed, v in zip(tune_seeds, off) if v is None]}
     return choice
+
+
+def mean_of(values: list) -> float | None:
+    """The mean of the tuning seeds' best validation WERs; None while any is missing or unfinished (or none)."""
+    return None if not values or None in values else sum(values) / len(values)
+
+
+def protocol_choice(results: list[dict], p: dict) -> dict[str, dict]:
+    """choose_lrs under a study's protocol settings (the `protocol` section of a run's config)."""
+    return choose_lrs(results, p["lrs"], p["tune_seeds"], p.get("widen", 0), bool(p.get("tune_spec_augment")))
 
 
 class ProtocolError(RuntimeError):
@@ -89,7 +111,7 @@ def tuning_choice(study_dir, config: dict) -> dict | None:
     p = config["protocol"]  # a non-empty grid: config.validate refuses stages tune, widen, final without one
     results, _ = read_study(study_dir)
     tuning = [r for r in results if r["config"]["seed"] in p["tune_seeds"]]
-    return choose_lrs(tuning, p["lrs"], p["tune_seeds"], p.get("widen", 0)).get(variant_key(config))
+    return protocol_choice(tuning, p).get(variant_key(config))
 
 
 def widened_lr(study_dir, config: dict) -> float | None:
@@ -121,16 +143,33 @@ def tuned_lr(study_dir, config: dict) -> float:
     return choice["lr"]
 
 
-def stage_lr(study_dir, config: dict) -> float | None:
-    """The rate a run of its protocol.stage trains at: train.lr as given (no stage, or tune), the rate the tuning
-    chose (final), the next one past the grid's edge (widen; None when there is nothing to widen). Raises
-    ProtocolError while the tuning it needs is missing."""
+def tuned_augment(study_dir, config: dict) -> bool:
+    """Whether this run's variant keeps SpecAugment on, as stage augment chose (protocol.tune_spec_augment)."""
+    choice = tuning_choice(study_dir, config)
+    if choice is None or choice.get("augment") is None:
+        seeds = choice["augment_missing"] if choice else config["protocol"]["tune_seeds"]
+        raise ProtocolError(
+            f"{study_dir}: stage augment of {variant_title(config)} is not complete: missing or unfinished "
+            f"seeds {seeds} with SpecAugment off at its chosen rate; run the tuning stages first (python -m "
+            "batchrnn.study runs them all: tune, widen, augment)")
+    return choice["augment"]
+
+
+def stage_settings(study_dir, config: dict) -> dict | None:
+    """What a run of its protocol.stage trains with, as {setting: value}: train.lr as given (no stage, or tune);
+    the rate the tuning chose, with SpecAugment off (augment); the tuning's choices of both (final; SpecAugment
+    only where protocol.tune_spec_augment is set); the next rate past the grid's edge (widen; None when there is
+    nothing to widen). Raises ProtocolError while the tuning it needs is missing."""
     stage = config["protocol"]["stage"]
     if stage == "final":
-        return tuned_lr(study_dir, config)
+        chosen = {LR: tuned_lr(study_dir, config)}
+        return chosen | ({AUGMENT: tuned_augment(study_dir, config)} if config["protocol"]["tune_spec_augment"] else {})
+    if stage == "augment":
+        return {LR: tuned_lr(study_dir, config), AUGMENT: False}
     if stage == "widen":
-        return widened_lr(study_dir, config)
-    return config["train"]["lr"]
+        lr = widened_lr(study_dir, config)
+        return None if lr is None else {LR: lr}
+    return {LR: config["train"]["lr"]}
 
 
 def nothing_to_widen(config: dict) -> str:

@@ -7,10 +7,11 @@ Several studies joined by `then` share one schedule: the first one's runs go fir
 the slots that the first leaves free; each study folder's report is written once every run in it has ended.
 
 Stage tune sweeps every variant over protocol.lrs with protocol.tune_seeds; stage widen (protocol.widen
-times) tunes each variant whose best rate is an edge of its grid at one rate past it; stage final runs
-protocol.seeds at the rate each variant's validation WER chose (batchrnn.study.protocol.choose_lrs); then the
-report. Finished runs are skipped, so running it again resumes; a tuning run at the chosen rate is that
-seed's final run. Under a local launcher (the basic one, or hydra/launcher=parallel's n_jobs at once) the
+times) tunes each variant whose best rate is an edge of its grid at one rate past it; stage augment (with
+protocol.tune_spec_augment) trains the tuning seeds at each variant's chosen rate with SpecAugment off; stage
+final runs protocol.seeds at the rate (and SpecAugment setting) each variant's validation WER chose
+(batchrnn.study.protocol.choose_lrs); then the report. Finished runs are skipped, so running it again resumes;
+a tuning run at the chosen settings is that seed's final run. Under a local launcher (the basic one, or hydra/launcher=parallel's n_jobs at once) the
 study schedules the runs itself: a job waits only for its own variant's earlier stages, so a free slot
 never idles while another variant finishes a stage. A cluster launcher (submitit) gets each stage as one
 sweep, a job array, stage after stage.
@@ -31,13 +32,13 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from hydra.errors import HydraException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from batchrnn.config import ConfigError, register_configs, to_container, with_device_preset
 from batchrnn.validation import validate
 from batchrnn.errors import DIVERGED, one_line, worst
-from batchrnn.study.protocol import ProtocolError, can_widen, nothing_to_widen, stage_lr
+from batchrnn.study.protocol import ProtocolError, can_widen, nothing_to_widen, stage_settings
 from batchrnn.training.identity import run_name, variant_key
 from batchrnn.study.sweep import STOP_FILE, job_threads, jobs_at_once
 
@@ -77,9 +78,11 @@ def stages(overrides: list[str], cfg: DictConfig | None = None) -> list[tuple[st
     widen = [(f"widen {i}" if p.widen > 1 else "widen",
               [*overrides, "protocol.stage=widen", f"seed={as_list(p.tune_seeds)}"])
              for i in range(1, p.widen + 1)] if can_widen(p.lrs) else []
+    augment = [("augment", [*overrides, "protocol.stage=augment", f"seed={as_list(p.tune_seeds)}"])
+               ] if p.tune_spec_augment else []
     return [("tune", [*overrides, "protocol.stage=tune", f"train.lr={as_list(p.lrs)}",
                       f"seed={as_list(p.tune_seeds)}"]),
-            *widen, ("final", [*overrides, "protocol.stage=final", f"seed={as_list(p.seeds)}"])]
+            *widen, *augment, ("final", [*overrides, "protocol.stage=final", f"seed={as_list(p.seeds)}"])]
 
 
 def exit_status(code: int) -> int:
@@ -89,9 +92,9 @@ def exit_status(code: int) -> int:
 
 @dataclass
 class Job:
-    stage: str  # the stage's name: tune, widen [i], final
+    stage: str  # the stage's name: tune, widen [i], augment, final
     rank: int  # the stage's place: a job waits until its variant's jobs of lower rank have ended
-    variant: str  # what the rate is chosen for (protocol.variant_key): every setting but the seed and the rate
+    variant: str  # what the tuning chooses for (identity.variant_key): every setting but the seed, rate (SpecAugment)
     overrides: list[str]  # one run's, as a sweep of the stage would give that job
     cfg: DictConfig  # composed from them and validated, before any job runs
     study_dir: Path  # the study's folder, where the run's own folder goes (resolved)
@@ -165,14 +168,17 @@ class Pool:
         """The job's exit status when it needs no process, else None. Mirrors src/run.py's choice of rate."""
         config = to_container(job.cfg)
         try:
-            lr = stage_lr(job.study_dir, config)
+            chosen = stage_settings(job.study_dir, config)
         except ProtocolError as e:  # this variant alone has no rate: the others go on, the status says so
             print(f"error: {e}", file=sys.stderr, flush=True)
             return 2
-        if lr is None:
+        if chosen is None:
             print(f"study: {nothing_to_widen(config)}", flush=True)
             return 0
-        config["train"]["lr"] = lr
+        cfg = job.cfg.copy()
+        for key, value in chosen.items():
+            OmegaConf.update(cfg, key, value)
+        config = to_container(cfg)
         path = job.study_dir / run_name(config)
         from batchrnn.training.rundir import finished_run  # torch, which a refused override need not wait for
 

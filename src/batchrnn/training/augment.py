@@ -20,7 +20,7 @@ class SpecAugment:
 
     @property
     def active(self) -> bool:
-        return self.cfg.freq_masks + self.cfg.time_masks > 0
+        return self.cfg.enabled and self.cfg.freq_masks + self.cfg.time_masks > 0
 
     def __call__(self, x: torch.Tensor, x_lens: torch.Tensor, ids: list[str], epoch: int) -> torch.Tensor:
         """x (N, F, T) padded features, x_lens (N,), ids the utterances' ids -> x masked (a new tensor)."""

@@ -15,6 +15,7 @@ from batchrnn.config import Config, Impl
 NEUTRAL = ("study", "protocol", "logger", "data.archive", "data.mirrors", "data.root", "train.device",
            "train.threads", "train.rerun")
 SEED, LR = "seed", "train.lr"
+AUGMENT = "train.spec_augment.enabled"  # tuned beside the rate where protocol.tune_spec_augment is set
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -86,6 +87,17 @@ def setting_key(config: dict, without: tuple[str, ...] = (SEED,)) -> str:
     return canonical({k: v for k, v in known_settings(config).items() if k not in without})
 
 
+def tunes_augment(config: dict) -> bool:
+    """Whether the run's study tunes SpecAugment beside the rate (protocol.tune_spec_augment)."""
+    return bool((config.get("protocol") or {}).get("tune_spec_augment"))
+
+
+def augment_on(config: dict) -> bool:
+    """train.spec_augment.enabled (true in runs made before the setting existed)."""
+    return bool(config.get("train", {}).get("spec_augment", {}).get("enabled", True))
+
+
 def variant_key(config: dict) -> str:
-    """What the learning-rate choice is made for: every setting but the seed and the rate."""
-    return setting_key(config, (SEED, LR))
+    """What the tuning stages choose for: every setting but the seed, the rate and, where the study tunes it,
+    whether SpecAugment is on."""
+    return setting_key(config, (SEED, LR, AUGMENT) if tunes_augment(config) else (SEED, LR))

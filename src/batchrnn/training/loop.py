@@ -64,10 +64,14 @@ class Progress:
             self.loss_mark, self.improved_epoch = val_loss, self.epoch
         if best:
             self.improved_epoch = self.epoch
-        if (Schedule(t.schedule) is Schedule.plateau and self.step >= t.warmup_steps
+        if (Schedule(t.schedule) is Schedule.plateau and self.step >= t.warmup_steps and not self.blank(t)
                 and self.epoch - max(self.improved_epoch, self.cut_epoch) >= t.plateau_wait):
             self.lr_cuts, self.cut_epoch = self.lr_cuts + 1, self.epoch
         return best
+
+    def blank(self, t) -> bool:
+        """Under plateau_hold_blank, whether the network has not yet got a validation word right (no cut then)."""
+        return t.plateau_hold_blank and self.best_val_wer >= 1.0
 
     def lr_scale(self, t) -> float:
         """The rate of the next epoch over train.lr, warm-up aside."""
@@ -78,13 +82,15 @@ class Progress:
     def stop(self, t) -> str | None:
         """Why the run ends now: floor (schedule=plateau: the rate fell below plateau_floor x lr), patience
         (no improvement for train.patience epochs; under plateau only after plateau_min_cuts cuts and an epoch
-        at the last cut's rate), cap (train.epochs), or None to go on."""
+        at the last cut's rate, or while still blank), cap (train.epochs), or None to go on."""
         plateau = Schedule(t.schedule) is Schedule.plateau
         if plateau and self.lr_scale(t) < t.plateau_floor:
             return "floor"
-        # under plateau, only once the run has been cut plateau_min_cuts times and trained an epoch at that rate
+        # under plateau, only once the run has been cut plateau_min_cuts times and trained an epoch at that rate,
+        # or while it is still blank (no cut comes then: it is stuck)
         if (t.patience and self.epoch - self.improved_epoch >= t.patience
-                and (not plateau or (self.lr_cuts >= t.plateau_min_cuts and self.epoch > self.cut_epoch))):
+                and (not plateau or self.blank(t)
+                     or (self.lr_cuts >= t.plateau_min_cuts and self.epoch > self.cut_epoch))):
             return "patience"
         return "cap" if self.epoch >= t.epochs else None
 
@@ -223,6 +229,9 @@ def train_in(cfg: DictConfig, folder: RunFolder, preset: str | None) -> dict:
                      "grad norm %.2f (max %.2f)", row["epoch"], row["train_loss"], row["val_loss"],
                      100 * row["val_wer"], 100 * row["val_cer"], seconds, row["peak_mem_mb"],
                      row["grad_norm_mean"], row["grad_norm_max"])
+            if progress.lr_cuts and progress.cut_epoch == progress.epoch:
+                log.info("epoch %d: no improvement for %d epochs, so the rate is cut to %.3g of train.lr (cut %d)",
+                         progress.epoch, t.plateau_wait, progress.lr_scale(t), progress.lr_cuts)
     except TrainingDiverged as e:
         # The epochs are those of the last complete one; the status and error say why it stopped.
         folder.write_results(summary("diverged") | {"error": str(e)})

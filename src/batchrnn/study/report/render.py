@@ -7,7 +7,8 @@ from batchrnn.config import Impl
 from batchrnn.study.protocol import can_widen
 from batchrnn.layers import backend
 from batchrnn.study.report.stats import ALPHA, RESAMPLES
-from batchrnn.study.report.summary import BUILDS_ON, DEPTH, DRIFT, NONE, Summary, short, shown, value
+from batchrnn.study.report.summary import (BUILDS_ON, DEPTH, DRIFT, NONE, Summary, column_name, setting_value,
+                                           shown)
 
 FAMILY_WISE = f"a family-wise {ALPHA:.0%} level, Holm–Bonferroni"
 
@@ -94,22 +95,28 @@ def header(summary: Summary) -> list[str]:
 
 def protocol(summary: Summary) -> list[str]:
     p = summary.protocol
+    augment = bool(p.get("tune_spec_augment"))
     rates = sorted({lr for t in summary.tuning for lr in t["grid"]} | set(p["lrs"]))  # the grid, and where it widened
-    lines = ["## Protocol: each variant's learning rate, chosen on validation", "",
+    lines = ["## Protocol: each variant's learning rate" + " and SpecAugment" * augment + ", chosen on validation", "",
              f"- Grid (`protocol.lrs`): {', '.join(f'{lr:g}' for lr in p['lrs'])}; tuning seeds "
              f"(`protocol.tune_seeds`): {', '.join(map(str, p['tune_seeds']))}; seeds of the verdict "
              f"(`protocol.seeds`): {', '.join(map(str, p['seeds']))}.",
-             "- Rule: each variant (every setting but the seed and the rate) keeps the rate of its grid with the "
+             f"- Rule: each variant (every setting but the seed, the rate{' and SpecAugment' * augment}) keeps the "
+             "rate of its grid with the "
              "lowest best validation WER, averaged over the tuning seeds (ties: the smaller rate; a diverged run "
              "loses its rate); test WER plays no part. " + (
                  f"Where that rate is the grid's lowest or highest, the variant's grid widens by one rate past that "
                  f"edge, in the grid's own ratio, up to {p['widen']} time{'s' * (p['widen'] > 1)} (`protocol.widen`). "
                  if p["widen"] and can_widen(p["lrs"]) else "")
-             + "The tables below hold each variant's runs at its chosen rate only; the tuning run at that rate is "
+             + ("Then SpecAugment (`protocol.tune_spec_augment`, stage augment): the tuning seeds train once more at "
+                "the chosen rate with SpecAugment off, and the variant keeps off only where its mean best validation "
+                "WER is lower; the rates were tuned with it on. " if augment else "")
+             + "The tables below hold each variant's runs at its chosen settings only; the tuning run there is "
              "also that seed's run of the verdict.", "",
              "Best validation WER % by learning rate (mean over the tuning seeds; ✓ chosen, … not finished, blank: "
-             "outside that variant's grid):", "",
-             "| variant | " + " | ".join(f"lr {lr:g}" for lr in rates) + " |", "|---|" + "---:|" * len(rates)]
+             "outside that variant's grid)" + ("; SpecAugment off: at the chosen rate" if augment else "") + ":", "",
+             "| variant | " + " | ".join(f"lr {lr:g}" for lr in rates) + " | SpecAugment off | SpecAugment |" * augment
+             + " |" * (not augment), "|---|" + "---:|" * len(rates) + "---:|---|" * augment]
     edges = []
     for t in summary.tuning:
         cells = []
@@ -122,6 +129,12 @@ def protocol(summary: Summary) -> list[str]:
             wer = t["by_lr"][f"{lr:g}"]
             cell = "…" if wer is None else "diverged" if math.isinf(wer) else f"{100 * wer:.1f}"
             cells.append(f"**{cell} ✓**" if lr == t["lr"] else cell)
+        if augment:
+            off = t["by_augment"]["off"]
+            cell = ("" if t["lr"] is None else "…" if off is None else "diverged" if math.isinf(off)
+                    else f"{100 * off:.1f}")
+            cells += [f"**{cell} ✓**" if t["augment"] is False else cell,
+                      {True: "on", False: "off", None: "…"}[t["augment"]]]
         lines.append(f"| {t['label']} | " + " | ".join(cells) + " |")
     if edges:
         lines += ["", "Chosen at an edge of its grid, so a rate beyond it might do better still: "
@@ -137,6 +150,11 @@ def protocol(summary: Summary) -> list[str]:
         lines += ["", "Still tuning, so in no verdict yet (their runs are in the per-epoch plots): " + "; ".join(
             f"{t['label']} (missing or unfinished lr, seed: {', '.join(f'{lr:g}, {s}' for lr, s in t['missing'])})"
             for t in pending) + "."]
+    pending = [t for t in summary.tuning if augment and t["lr"] is not None and t["augment"] is None]
+    if pending:
+        lines += ["", "SpecAugment still tuning, so in no verdict yet: " + "; ".join(
+            f"{t['label']} (seeds {', '.join(map(str, t['augment_missing']))} with it off at lr {t['lr']:g})"
+            for t in pending) + "."]
     if summary.off_grid:
         lines += ["", f"At a rate outside the grid, in no table: {', '.join(summary.off_grid)}."]
     return lines + [""]
@@ -145,12 +163,12 @@ def protocol(summary: Summary) -> list[str]:
 def identity_head(summary: Summary) -> list[str]:
     """The columns that name a row: rnn, layers, bn, impl, and the other settings that vary."""
     return (["rnn"] + ["layers"] * summary.depth + ["bn", "impl"]
-            + [short(k, summary.columns) for k in summary.columns if k != DEPTH])
+            + [column_name(k, summary.columns) for k in summary.columns if k != DEPTH])
 
 
 def identity(summary: Summary, row: dict) -> list[str]:
     return ([row["rnn"]] + [str(row["num_layers"])] * summary.depth + [row["bn"], backend(row["bn"], row["impl"])]
-            + [value(row["settings"][k]) for k in summary.columns if k != DEPTH])
+            + [setting_value(k, row["settings"][k]) for k in summary.columns if k != DEPTH])
 
 
 def fmt(row: dict, name: str, scale: float = 1.0, digits: int = 1) -> str:

@@ -13,8 +13,9 @@ from pathlib import Path
 
 from batchrnn.config import BNMode, Impl, RNNType
 from batchrnn.config import Stage
-from batchrnn.study.protocol import choose_lrs
-from batchrnn.training.identity import LR, SEED, canonical, known_settings, placement, settings, variant_key
+from batchrnn.study.protocol import protocol_choice
+from batchrnn.training.identity import (AUGMENT, LR, SEED, augment_on, canonical, known_settings, placement, settings,
+                                        variant_key)
 from batchrnn.study.report.stats import ALPHA, first_reach, holm, mean_std, paired_bootstrap, utterance_errors
 from batchrnn.training.rundir import read_study
 
@@ -98,7 +99,7 @@ def build(sweep_dir: Path, now: float | None = None, only: dict[str, list[str]] 
     runs, duplicates = by_setting(records)
     kept = [run["result"] for group in runs.values() for run in group]
     protocol = protocol_of(kept)
-    choice = choose_lrs(kept, protocol["lrs"], protocol["tune_seeds"], protocol["widen"]) if protocol else {}
+    choice = protocol_choice(kept, protocol) if protocol else {}
     devices = defaultdict(set)  # the rate is chosen per variant whatever ran it (as the final stage chose it)
     for run in (run for group in runs.values() for run in group):
         devices[variant_key(run["result"]["config"])].add(run["settings"][COMPUTED])
@@ -242,7 +243,9 @@ def protocol_of(results: list[dict]) -> dict | None:
     # How far grids widen: the most any run was made under (a finished run keeps the setting it ran with, so
     # the tuning runs of a study later run with a larger protocol.widen still say the smaller); runs from
     # before the setting existed were made without widening.
-    return json.loads(found.most_common(1)[0][0]) | {"widen": max(p.get("widen", 0) for p in protocols)}
+    return json.loads(found.most_common(1)[0][0]) | {
+        "widen": max(p.get("widen", 0) for p in protocols),
+        "tune_spec_augment": any(p.get("tune_spec_augment") for p in protocols)}
 
 
 def thread_count(result: dict) -> str:
@@ -289,7 +292,20 @@ def describe(s: dict, keys: list[str], columns: list[str], bn: bool = True) -> s
     name = s[RNN] + (f"-{placement(s)}" if bn else "")
     if DEPTH in keys:
         name += f"-L{s.get(DEPTH)}"
-    return " ".join([name] + [f"{short(k, columns)}={value(s.get(k))}" for k in keys if k != DEPTH])
+    return " ".join([name] + [shown_setting(k, s.get(k), columns) for k in keys if k != DEPTH])
+
+
+def shown_setting(key: str, v, columns: list[str]) -> str:
+    """key=value in a row's name: spec_augment=on|off for train.spec_augment.enabled."""
+    return f"{'spec_augment' if key == AUGMENT else short(key, columns)}={setting_value(key, v)}"
+
+
+def column_name(key: str, columns: list[str]) -> str:
+    return "SpecAugment" if key == AUGMENT else short(key, columns)
+
+
+def setting_value(key: str, v) -> str:
+    return ("off" if v is False else "on") if key == AUGMENT else value(v)
 
 
 def rank(order: list, x) -> tuple:
@@ -304,8 +320,9 @@ def ordered(v) -> tuple:
 def make_row(runs: list[dict], columns: list[str], protocol: dict | None, choice: dict) -> dict:
     s = runs[0]["settings"]
     impl = s.get(IMPL, Impl.fused.value)
-    # Under a protocol each variant has its own rate: the rate names a row, not a group or a variant.
-    per_variant = [k for k in columns if not (protocol and k == LR)]
+    # Under a protocol each variant has its own rate (and SpecAugment, where tuned): they name a row, not a group or
+    # a variant.
+    per_variant = [k for k in columns if not (protocol and k in tuned(protocol))]
     where, row_role = placement(s), role(runs[0]["result"]["config"], protocol, choice)
     # A verdict holds the protocol's seeds only: not a stray single run (seed 0) that happens to share the rate
     ours = [r for r in runs if not (protocol and row_role == "verdict" and r["seed"] not in protocol["seeds"])]
@@ -319,7 +336,8 @@ def make_row(runs: list[dict], columns: list[str], protocol: dict | None, choice
            "family": describe(s, [k for k in per_variant if k != DEPTH], columns, bn=False),  # group less depth
            "placement": where,
            # within its group: the placement (and the rate of a variant still tuning, whose rows are all plotted)
-           "name": where + (f" lr={value(s.get(LR))}" if row_role == "pending" else ""),
+           "name": where + (f" lr={value(s.get(LR))}" + " SpecAugment off" * (s.get(AUGMENT) is False)
+                            if row_role == "pending" else ""),
            "rnn": s[RNN], "bn": s[BN], "impl": impl, "num_layers": s.get(DEPTH), "lr": s.get(LR),
            "settings": {k: s.get(k) for k in columns}, "role": row_role,
            "n": len(finished), "seeds": [r["seed"] for r in finished], "diverged": len(trained) - len(finished),
@@ -348,7 +366,17 @@ def role(config: dict, protocol: dict | None, choice: dict) -> str:
     if lr not in entry["grid"]:
         return "off_grid"
     chosen = entry["lr"]
+    if protocol.get("tune_spec_augment"):  # stage augment: off is tried at the chosen rate only
+        on = augment_on(config)
+        if chosen is None or lr != chosen:
+            return "pending" if chosen is None else "tuning" if on else "off_grid"
+        return "pending" if entry["augment"] is None else "verdict" if on == entry["augment"] else "tuning"
     return "pending" if chosen is None else "verdict" if lr == chosen else "tuning"
+
+
+def tuned(protocol: dict) -> tuple[str, ...]:
+    """The settings the protocol chooses per variant: the rate, and SpecAugment where protocol.tune_spec_augment."""
+    return (LR, AUGMENT) if protocol.get("tune_spec_augment") else (LR,)
 
 
 def training_time(rows: list[dict]) -> dict:
@@ -376,7 +404,9 @@ def tuning_table(rows: list[dict], choice: dict, protocol: dict | None) -> list[
     for row in rows:  # sorted, so the variants come in the results table's order
         labels.setdefault(variant_key(row["_runs"][0]["result"]["config"]), row["variant"])
     return [{"label": label, "lr": choice[key]["lr"], "missing": choice[key]["missing"], "grid": choice[key]["grid"],
-             "by_lr": {value(lr): wer for lr, wer in choice[key]["by_lr"].items()}} for key, label in labels.items()]
+             "by_lr": {value(lr): wer for lr, wer in choice[key]["by_lr"].items()},
+             **{k: choice[key][k] for k in ("augment", "by_augment", "augment_missing") if k in choice[key]}}
+            for key, label in labels.items()]
 
 
 def time_drift(rows: list[dict]) -> list[dict]:

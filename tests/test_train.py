@@ -44,6 +44,18 @@ def test_smoke_run_writes_results(smoke, tmp_path):
     assert results["test_wer"] == saved["test_wer"]
 
 
+def test_training_learns_the_generated_corpus(smoke, tmp_path):
+    """The generated corpus is learnable (each character a fixed tone pair): 60 epochs of a 64-wide smoke model
+    (about 10 s here) take validation WER from 100% to under 50% and the training loss under half its first
+    epoch's. Zeroed gradients, shifted CTC labels or a decoder that drops letters would fail it; so does the same
+    run with a rate too small to learn (the control, which shows the check can fail)."""
+    learnt = train(smoke("model.hidden_size=64", "train.epochs=60"), tmp_path / "learnt")
+    losses = [e["train_loss"] for e in learnt["epochs"]]
+    assert learnt["best_val_wer"] < 0.5 and losses[-1] < losses[0] / 2, (learnt["best_val_wer"], losses)
+    still = train(smoke("model.hidden_size=64", "train.epochs=10", "train.lr=1e-9"), tmp_path / "control")
+    assert still["best_val_wer"] > 0.9
+
+
 def test_resumed_run_equals_uninterrupted_run(smoke, tmp_path):
     whole = train(smoke("train.epochs=3"), tmp_path / "whole")
     part = tmp_path / "part"

@@ -25,19 +25,19 @@ test-slow: $(STAMP) ## the slow lane: the real AN4 archive (AN4_ARCHIVE=path) an
 smoke: $(STAMP) ## one tiny run on a generated corpus, under a minute
 	$(PY) src/run.py experiment=smoke
 
-reproduce-an4: $(STAMP) ## AN4, the grid gru,lstm x 5 bn x SEEDS (default 1,2,3), the report; ARGS=hydra/launcher=parallel
+reproduce-an4: $(STAMP) ## AN4, the grid gru,lstm x 5 bn x SEEDS (default 1,2,3), converged protocol, the report; ARGS=hydra/launcher=parallel; SCHEDULE=exponential: the earlier study
 	bash experiments/reproduce_an4.sh grid $(ARGS)
 
-reproduce-depth: $(STAMP) ## DS2 Table 1's design: 1,3,5,7 layers x none,seqwise x SEEDS, the report (runs/an4_depth)
+reproduce-depth: $(STAMP) ## DS2 Table 1's design: 1,3,5,7 layers x none,seqwise x SEEDS, the report (runs/an4_depth_plateau)
 	bash experiments/reproduce_an4.sh depth $(ARGS)
 
 reproduce-norms: $(STAMP) ## layer and weight norm (ln, wn, ln_full) beside the grid, same protocol and folder
 	bash experiments/reproduce_an4.sh norms $(ARGS)
 
-studies: $(STAMP) ## every protocol study as one schedule, resumable: the grid, the depth study, the normalisations
+studies: $(STAMP) ## every protocol study as one schedule, resumable: the grid, the normalisations, the depth study
 	bash experiments/reproduce_an4.sh all $(ARGS)
 
-report: $(STAMP) ## rebuild report.md and plots from a sweep folder: make report SWEEP=runs/an4_cpu [ARGS=--wandb]
+report: $(STAMP) ## rebuild report.md and plots from a sweep folder: make report SWEEP=runs/an4_cpu_plateau [ARGS=--wandb]
 	$(PY) -m batchrnn.report $(SWEEP) $(ARGS)
 
 bench: $(STAMP) ## time and memory of every variant vs bn=none, about 3 minutes on 2 cores; ARGS=--quick: 10-20 s

@@ -1,32 +1,44 @@
 #!/usr/bin/env bash
-# `make reproduce-an4`: prepare AN4, then the study under the fair protocol (batchrnn.study): every variant
-# of gru,lstm x none,post,input,skip,seqwise tuned over the preset's learning rates on validation, trained
-# until validation stops improving, then SEEDS at its chosen rate; then the report (also logged to W&B).
-# `make reproduce-depth` passes `depth`: DS2's Table 1 design, experiment=an4_depth, under the same protocol.
-# `make reproduce-norms` passes `norms`: issue 12's ln, wn and ln_full beside the grid, in the grid's folder, so
-# its report compares them with every BN placement (NORMS=ln,wn,ln_full,rbn adds Cooijmans's recurrent BN).
-# `make studies` passes `all`: grid, depth, norms as one schedule (batchrnn.study's `then`): a later study's runs
-# fill the slots an earlier one leaves free, and a study whose runs diverged or lack a rate (exit status 3 or
-# 2, which its report explains) does not stop the next; a crash or a signal stops them all.
+# `make reproduce-an4`: prepare AN4, then the study under the converged protocol (batchrnn.study, issue 28):
+# every variant of gru,lstm x none,post,input,skip,seqwise tuned on validation (the rate over the preset's grid,
+# widened past an edge, then SpecAugment off against on at that rate), each run trained until its own validation
+# stops improving (train.schedule=plateau), then SEEDS at its chosen settings; then the report (also to W&B).
+# `make reproduce-norms` passes `norms`: ln, wn and ln_full beside the grid, in the grid's folder, so its report
+# compares them with every BN placement (NORMS=ln,wn,ln_full,rbn adds Cooijmans's recurrent BN).
+# `make reproduce-depth` passes `depth`: DS2's Table 1 design, experiment=an4_depth_plateau, the same protocol;
+# its 3-layer runs are the grid's.
+# `make studies` passes `all`: grid, norms, depth as one schedule (batchrnn.study's `then`): a later study's runs
+# fill the slots an earlier one leaves free, and a study whose runs diverged or lack a rate (exit status 3 or 2,
+# which its report explains) does not stop the next; a crash or a signal stops them all.
+# SCHEDULE=exponential runs the earlier studies instead (presets an4_cpu or an4_gpu, and an4_depth: the rate x0.9
+# an epoch; experiments/grid.md, depth.md, norms.md), in their own folders, in their order (grid, depth, norms).
 # Usage: experiments/reproduce_an4.sh [grid|depth|norms|all] [extra Hydra overrides, e.g. hydra/launcher=parallel]
-# PRESET (an4_gpu with CUDA, else an4_cpu; the grid and the norms) and SEEDS (comma-separated, default the
-# preset's protocol.seeds, 1,2,3) can be set in the environment. Run it again to resume: finished runs are skipped.
+# PRESET (the grid's and the norms'; by default the one a run without experiment= takes on this machine:
+# an4_gpu_plateau with CUDA, else an4_cpu_plateau) and SEEDS (comma-separated, default the preset's
+# protocol.seeds, 1,2,3) can be set in the environment. Run it again to resume: finished runs are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 STUDY="${1:-grid}"
 shift || true
+SCHEDULE="${SCHEDULE:-plateau}"
+case "$SCHEDULE" in
+  plateau) SUFFIX=_plateau ALL=(grid norms depth) ;;
+  exponential) SUFFIX= ALL=(grid depth norms) ;;
+  *) echo "error: SCHEDULE=$SCHEDULE: use plateau (the converged protocol, the default) or exponential" >&2; exit 2 ;;
+esac
 case "$STUDY" in
   grid|depth|norms) STUDIES=("$STUDY") ;;
-  all) STUDIES=(grid depth norms) ;;
+  all) STUDIES=("${ALL[@]}") ;;
   *) echo "error: unknown study '$STUDY'; use grid, depth, norms or all" >&2; exit 2 ;;
 esac
 DEVICE_PRESET="${PRESET:-$($PY -c 'from batchrnn.config import with_device_preset; print(with_device_preset([])[0][11:])')}"
+[ -n "${PRESET:-}" ] || DEVICE_PRESET="${DEVICE_PRESET%_plateau}$SUFFIX"
 ARGS=() PRESETS=()
 for s in "${STUDIES[@]}"; do
   if [ "$s" = depth ]; then
-    p=an4_depth
-    GRID=(experiment=an4_depth)  # its sweep (1,3,5,7 layers x none,seqwise) is in conf/experiment/an4_depth.yaml
+    p="an4_depth$SUFFIX"
+    GRID=("experiment=$p")  # its sweep (1,3,5,7 layers x none,seqwise) is in conf/experiment/$p.yaml
   else
     p="$DEVICE_PRESET" BN=none,post,input,skip,seqwise
     [ "$s" = norms ] && BN="${NORMS:-ln,wn,ln_full}"

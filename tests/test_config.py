@@ -69,7 +69,7 @@ def test_without_a_preset_the_machine_picks_one():
 
     from batchrnn.config import with_device_preset
 
-    expected = "experiment=an4_gpu" if torch.cuda.is_available() else "experiment=an4_cpu"
+    expected = "experiment=an4_gpu_plateau" if torch.cuda.is_available() else "experiment=an4_cpu_plateau"
     assert with_device_preset(["model.bn=seqwise"]) == ["model.bn=seqwise", expected]
     for given in (["experiment=smoke"], ["+experiment=an4_depth"], ["experiment=null"], ["--help"]):
         assert with_device_preset(given) == given

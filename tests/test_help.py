@@ -39,7 +39,7 @@ def test_study_script_refuses_an_unknown_study_in_one_line():
 FAKE_PYTHON = """#!/usr/bin/env bash
 # stands in for .venv/bin/python: the preset for -c, each data preparation and the study call written to $RAN
 case "$*" in
-  -c*) echo an4_cpu ;;
+  -c*) echo an4_cpu_plateau ;;
   *batchrnn.data*) echo "data $*" >> "$RAN" ;;
   *batchrnn.study*) echo "study $*" >> "$RAN"; exit "$EXIT" ;;
 esac
@@ -54,31 +54,44 @@ def fake_venv(tmp_path):
     (tmp_path / ".venv" / "bin" / "python").write_text(FAKE_PYTHON)
     (tmp_path / ".venv" / "bin" / "python").chmod(0o755)
 
-    def run(*args, exit_status=0):
+    def run(*args, exit_status=0, **env):
         done = subprocess.run(["bash", str(tmp_path / "experiments" / "reproduce_an4.sh"), *args], capture_output=True,
                               text=True, timeout=60,
-                              env={"PATH": "/usr/bin:/bin", "EXIT": str(exit_status), "RAN": str(tmp_path / "ran")})
+                              env={"PATH": "/usr/bin:/bin", "EXIT": str(exit_status), "RAN": str(tmp_path / "ran")} | env)
         return done.returncode, (tmp_path / "ran").read_text().splitlines()
 
     return run
 
 
 def test_make_studies_is_one_schedule_of_the_three_studies_in_order(fake_venv):
-    """grid, then depth, then norms, joined by `then` in one study call (so the later studies fill the slots the
-    earlier leave free, and a study that ends with 2 or 3 does not stop the next), each with the extra
-    overrides; each preset's data prepared once before; the study's exit status is the script's."""
+    """The converged protocol: grid, then norms (in the grid's folder), then depth, joined by `then` in one study
+    call (so the later studies fill the slots the earlier leave free, and a study that ends with 2 or 3 does not
+    stop the next), each with the extra overrides; each preset's data prepared once before; the study's exit status
+    is the script's."""
     code, ran = fake_venv("all", "hydra/launcher=parallel", exit_status=3)
     assert code == 3
     *data, study = ran
-    assert data == ["data -m batchrnn.data --preset an4_cpu --root data --features",
-                    "data -m batchrnn.data --preset an4_depth --root data --features"]
+    assert data == ["data -m batchrnn.data --preset an4_cpu_plateau --root data --features",
+                    "data -m batchrnn.data --preset an4_depth_plateau --root data --features"]
     groups = study.removeprefix("study -m batchrnn.study ").removesuffix(" --wandb").split(" then ")
-    assert groups == ["experiment=an4_cpu model.rnn=gru,lstm model.bn=none,post,input,skip,seqwise hydra/launcher=parallel",
-                      "experiment=an4_depth hydra/launcher=parallel",
-                      "experiment=an4_cpu model.rnn=gru,lstm model.bn=ln,wn,ln_full hydra/launcher=parallel"]
+    grid = "experiment=an4_cpu_plateau model.rnn=gru,lstm model.bn="
+    assert groups == [grid + "none,post,input,skip,seqwise hydra/launcher=parallel",
+                      grid + "ln,wn,ln_full hydra/launcher=parallel",
+                      "experiment=an4_depth_plateau hydra/launcher=parallel"]
+
+
+def test_the_earlier_exponential_studies_still_run(fake_venv):
+    """SCHEDULE=exponential: the earlier presets, in their earlier order (grid, depth, norms)."""
+    code, ran = fake_venv("all", SCHEDULE="exponential")
+    groups = ran[-1].removeprefix("study -m batchrnn.study ").removesuffix(" --wandb").split(" then ")
+    assert code == 0 and groups == ["experiment=an4_cpu model.rnn=gru,lstm model.bn=none,post,input,skip,seqwise",
+                                    "experiment=an4_depth",
+                                    "experiment=an4_cpu model.rnn=gru,lstm model.bn=ln,wn,ln_full"]
+    code, _ = fake_venv("grid", SCHEDULE="cosine")
+    assert code == 2
 
 
 def test_one_study_is_one_group(fake_venv):
     code, ran = fake_venv("depth")
-    assert code == 0 and ran == ["data -m batchrnn.data --preset an4_depth --root data --features",
-                                 "study -m batchrnn.study experiment=an4_depth --wandb"]
+    assert code == 0 and ran == ["data -m batchrnn.data --preset an4_depth_plateau --root data --features",
+                                 "study -m batchrnn.study experiment=an4_depth_plateau --wandb"]

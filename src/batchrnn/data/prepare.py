@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--preset", choices=PRESETS,
                    help="take the data settings (corpus, mel bands, window) from conf/experiment/PRESET.yaml, "
                         "as `src/run.py experiment=PRESET` does (default: the one `src/run.py` picks for this machine, "
-                        "an4_gpu with CUDA, else an4_cpu)")
+                        "an4_gpu_plateau with CUDA, else an4_cpu_plateau)")
     p.add_argument("--features", action="store_true",
                    help="also build the feature cache of those settings (below); the output names them")
     p.add_argument("--archive", help="local path, file:// or http(s) URL (default: $AN4_ARCHIVE, else CMU's URL)")

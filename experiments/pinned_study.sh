@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Runs (or resumes) `make studies` from a second checkout pinned to one commit, in the background, so that code
+# changed meanwhile in this checkout never reaches a running study (issue 28's reruns).
+# Usage: bash experiments/pinned_study.sh COMMIT [DIR, default ../study]   start or resume; prints what it did
+#        bash experiments/pinned_study.sh stop [DIR]                     SIGTERM: every run stops at its last epoch
+# What it does, each step skipped where already done:
+#   1. `git worktree add DIR COMMIT` (refused if DIR holds another commit: a study keeps one commit), and
+#      `make venv` there (its own .venv: a shared one is an editable install of whichever checkout ran make last);
+#   2. puts the ended runs kept in this checkout's experiments/results/ back into DIR/runs/ (a new machine);
+#   3. starts experiments/keep_results.sh in DIR with KEEP_TO=this checkout's experiments/results/;
+#   4. starts `make studies ARGS=hydra/launcher=parallel` in DIR (two 1-thread jobs on 2 cores), AN4_ARCHIVE
+#      absolute, GOMP_SPINCOUNT=10000, in its own session whose scheduler group gets nice -10: with the kernel's
+#      autogroups, `nice` acts only inside a session, so a test suite started from another terminal would
+#      otherwise take half the cores from the study.
+# Logs: DIR/study.log (the study), DIR/keep.log (the results kept), DIR/commands.log (what ran, when, at which commit).
+set -euo pipefail
+MAIN="$(cd "$(dirname "$0")/.." && pwd)"
+ACTION="${1:?usage: pinned_study.sh COMMIT|stop [DIR]}"
+DIR="$(realpath -m "${2:-$MAIN/../study}")"
+in_dir() {  # the processes running $1 whose working directory is DIR
+  for pid in $(pgrep -f "$1" || true); do [ "$(readlink "/proc/$pid/cwd")" != "$DIR" ] || echo "$pid"; done
+}
+if [ "$ACTION" = stop ]; then
+  pids="$(in_dir "python -m batchrnn.study")"
+  [ -z "$pids" ] || { kill -TERM $pids; echo "study: stopped ($pids); its runs resume from their last epoch"; }
+  pids="$(in_dir "keep_results.sh")"
+  [ -z "$pids" ] || kill $pids
+  [ ! -d "$DIR" ] || echo "$(date -u +%FT%TZ) stopped" >> "$DIR/commands.log"
+  exit 0
+fi
+COMMIT="$(git -C "$MAIN" rev-parse --verify "$ACTION^{commit}")"
+if [ -d "$DIR" ]; then
+  have="$(git -C "$DIR" rev-parse HEAD)"
+  [ "$have" = "$COMMIT" ] || { echo "error: $DIR is at $have, not $COMMIT; a study keeps one commit (stop it, then" \
+                                    "git worktree remove $DIR to start another)" >&2; exit 2; }
+else
+  git -C "$MAIN" worktree add --detach "$DIR" "$COMMIT"
+fi
+cd "$DIR"
+[ -n "$(ls .venv/.installed-* 2>/dev/null)" ] || make venv
+if [ -n "$(in_dir "python -m batchrnn.study")" ]; then
+  echo "study: already running in $DIR"; exit 0
+fi
+for study in an4_cpu_plateau an4_depth_plateau; do
+  [ -d "$MAIN/experiments/results/$study" ] || continue
+  mkdir -p "runs/$study"
+  cp -rn "$MAIN/experiments/results/$study"/*/ "runs/$study/" 2>/dev/null || true
+done
+ARCHIVE="$(realpath "${AN4_ARCHIVE:-$MAIN/../shared/data/an4_sphere.tar.gz}")"
+echo "$(date -u +%FT%TZ) start at $COMMIT on $(hostname) (boot $(cut -c1-8 /proc/sys/kernel/random/boot_id))" \
+  >> commands.log
+[ -n "$(in_dir keep_results.sh)" ] || \
+  KEEP_TO="$MAIN/experiments/results" setsid nohup bash experiments/keep_results.sh 120 >> keep.log 2>&1 < /dev/null &
+AN4_ARCHIVE="$ARCHIVE" GOMP_SPINCOUNT=10000 setsid nohup make studies ARGS=hydra/launcher=parallel \
+  >> study.log 2>&1 < /dev/null &
+sleep 2
+echo -10 > "/proc/$!/autogroup" 2>/dev/null || echo "note: could not raise the study's scheduler group (not root?)"
+echo "study: started in $DIR at $COMMIT (log: $DIR/study.log; results kept in $MAIN/experiments/results)"

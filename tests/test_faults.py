@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
-import torch
 from hydra import compose, initialize_config_dir
 
 from batchrnn.data import corpus as data
@@ -294,12 +293,13 @@ def test_non_finite_step_is_skipped_and_counted(tmp_path, caplog):
     cfg = config(f"data.root={tmp_path / 'data'}")
     corpus = prepare_corpus(cfg.data)
     bad = corpus.splits["train"][5].id
-    features.load_features(corpus, "train", cfg.data)
-    path = features.cache_path(corpus, "train", cfg.data)
-    blob = torch.load(path)
-    start = sum(blob["lengths"][:5])
-    blob["feats"][start:start + 3] = float("nan")  # three frames of one utterance, in the real cache file
-    torch.save(blob, path)
+    fs = features.load_features(corpus, "train", cfg.data)
+    frames = np.memmap(features.frames_path(features.cache_path(corpus, "train", cfg.data)), np.float32, "r+",
+                       shape=(sum(fs.lengths), fs.num_features))
+    start = sum(fs.lengths[:5])
+    frames[start:start + 3] = float("nan")  # three frames of one utterance, in the real cache file
+    frames.flush()
+    del frames, fs
     results = train(cfg, tmp_path / "run")
     assert results["status"] == "finished"
     assert results["skipped_steps"] == 2 and [e["skipped_steps"] for e in results["epochs"]] == [1, 2]

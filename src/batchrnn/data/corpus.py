@@ -1,6 +1,7 @@
 """The AN4 corpus: fetch the archive, extract it safely, verify it once, parse it, split it by speaker.
 
-`prepare_corpus` does all of it idempotently; `python -m batchrnn.data` runs it from the shell.
+`prepare_corpus` does all of it idempotently (and hands data.corpus=manifest to batchrnn.data.manifest, which
+builds on this module's Utterance, Corpus and split); `python -m batchrnn.data` runs it from the shell.
 `make_synthetic_archive` writes a tiny AN4-shaped archive that goes through the very same pipeline.
 """
 import hashlib
@@ -17,8 +18,9 @@ import urllib.parse
 import urllib.request
 import warnings
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import soundfile as sf
@@ -49,18 +51,26 @@ class DataError(RuntimeError):
 
 @dataclass(frozen=True)
 class Utterance:
-    id: str  # <prompt>-<speaker>-b
-    speaker: str
-    path: str  # the .sph file
+    id: str  # AN4: <prompt>-<speaker>-b; a manifest's: its audio path and offset
+    speaker: str  # "" where a manifest gives none
+    path: str  # the audio file
     text: str  # normalised, in text.LABELS
+    offset: float = 0.0  # seconds into the file where the utterance starts (a manifest's "offset")
+    duration: float = 0.0  # seconds read from offset on (a manifest's "duration"); 0: the whole file (AN4)
+
+
+def read_utterance(u: Utterance) -> torch.Tensor:
+    """An AN4 utterance's samples: its whole SPHERE file."""
+    return read_audio(u.path)
 
 
 @dataclass
 class Corpus:
-    name: str  # "an4" or "synthetic"
-    root: Path  # holds an4/ and features/
+    name: str  # "an4", "synthetic" or "manifest"
+    root: Path  # holds features/ (and AN4's an4/)
     splits: dict[str, list[Utterance]]  # train, val, test
     summary: dict  # counts per split, skipped items, checksum status
+    read: Callable[[Utterance], torch.Tensor] = field(default=read_utterance)  # float32 mono 16 kHz (samples,)
 
 
 # -----------------------------------------------------------------------------
@@ -289,6 +299,8 @@ def describe(corpus_dir, split: str, skipped: dict[str, list[str]], normalized: 
     """One line per kind of utterance left out or changed, naming the first few."""
     what = {"no_audio": "skipping {n} {split} utterances without audio",
             "no_transcript": "skipping {n} {split} utterances without a transcript",
+            "bad_text": "skipping {n} {split} utterances whose text has characters outside the alphabet "
+                        "(data.bad_text=skip)",
             "normalized": "{n} {split} transcripts normalised (case or punctuation)"}
     return [f"{corpus_dir}: {what[kind].format(n=len(ids), split=split)}: "
             + ", ".join(ids[:5]) + (", ..." if len(ids) > 5 else "")
@@ -296,45 +308,47 @@ def describe(corpus_dir, split: str, skipped: dict[str, list[str]], normalized: 
 
 
 def corpus_changes(summary: dict) -> list[str]:
-    """describe()'s lines from a corpus summary, for the run's log."""
+    """describe()'s lines from a corpus summary, for the run's log, each naming its manifest or AN4's folder."""
+    sources = summary.get("manifests", {})
     return [line for split in summary["skipped_ids"] for line in
-            describe(Path(summary["root"]) / "an4", split, summary["skipped_ids"][split],
+            describe(sources.get(split) or Path(summary["root"]) / "an4", split, summary["skipped_ids"][split],
                      summary["normalized_ids"][split])]
 
 
 # -----------------------------------------------------------------------------
 # splits
 
-def choose_val_speakers(speakers: list[str], val_fraction: float, seed: int) -> list[str]:
+def choose_val_speakers(speakers: list[str], val_fraction: float, seed: int, what: str = "speakers") -> list[str]:
     speakers = sorted(speakers)
     if len(speakers) < 2:
-        raise DataError(f"{len(speakers)} training speakers: a validation split needs at least 2")
+        raise DataError(f"{len(speakers)} training {what}: a validation split needs at least 2")
     n_val = min(max(1, round(len(speakers) * val_fraction)), len(speakers) - 1)
     return sorted(random.Random(seed).sample(speakers, n_val))
 
 
 def split_corpus(
-    corpus_dir: Path, train: list[Utterance], test: list[Utterance], val_fraction: float, seed: int
+    path: Path, train: list[Utterance], test: list[Utterance], val_fraction: float, seed: int,
+    by_speaker: bool = True,
 ) -> dict[str, list[Utterance]]:
-    """train/val/test with whole speakers in val; the split is kept on disk so every run shares it."""
-    path = corpus_dir / f"splits-seed{seed}-val{val_fraction}.json"
+    """train/val/test with whole speakers in val (by_speaker=False: single utterances, for a corpus that names
+    no speakers); the split is kept on disk at path so every run shares it."""
     by_id = {u.id: u for u in train}
     if path.is_file():
         saved = json.loads(path.read_text())
         if set(saved["train"]) | set(saved["val"]) != by_id.keys():
             raise DataError(f"{path}: lists other utterances than the corpus holds; delete it to re-split")
     else:
-        val_speakers = set(choose_val_speakers(list({u.speaker for u in train}), val_fraction, seed))
-        saved = {
-            "split_seed": seed,
-            "val_fraction": val_fraction,
-            "train_speakers": sorted({u.speaker for u in train} - val_speakers),
-            "val_speakers": sorted(val_speakers),
-            "test_speakers": sorted({u.speaker for u in test}),
-            "train": [u.id for u in train if u.speaker not in val_speakers],
-            "val": [u.id for u in train if u.speaker in val_speakers],
-            "test": [u.id for u in test],
-        }
+        group = (lambda u: u.speaker) if by_speaker else (lambda u: u.id)
+        held = set(choose_val_speakers(list({group(u) for u in train}), val_fraction, seed,
+                                       "speakers" if by_speaker else "utterances"))
+        saved = {"split_seed": seed, "val_fraction": val_fraction}
+        if by_speaker:
+            saved |= {"train_speakers": sorted({u.speaker for u in train} - held), "val_speakers": sorted(held),
+                      "test_speakers": sorted({u.speaker for u in test})}
+        else:
+            saved["by"] = "utterance"
+        saved |= {"train": [u.id for u in train if group(u) not in held],
+                  "val": [u.id for u in train if group(u) in held], "test": [u.id for u in test]}
         write_json(path, saved)
     return {"train": [by_id[i] for i in saved["train"]], "val": [by_id[i] for i in saved["val"]],
             "test": test}
@@ -346,6 +360,10 @@ def split_corpus(
 def prepare_corpus(cfg: DataConfig) -> Corpus:
     """Fetch, extract, verify (once), parse and split; later calls only parse and reuse the split."""
     name = CorpusName(cfg.corpus).value  # the schema's enum: Hydra refused any other value
+    if name == CorpusName.manifest.value:
+        from batchrnn.data.manifest import prepare_manifest_corpus  # it builds on this module: imported here
+
+        return prepare_manifest_corpus(cfg)
     # The synthetic corpus lives in its own folder so the two never mix, features included.
     root = Path(cfg.root) / name if name == "synthetic" else Path(cfg.root)
     corpus_dir, marker = root / "an4", root / "an4" / MARKER
@@ -370,7 +388,8 @@ def prepare_corpus(cfg: DataConfig) -> Corpus:
         checksum = f"known: {known}" if known else verify_content(name, tables)
         write_json(marker, {"archive": str(archive), "sha256": digest, "checksum": checksum})
     status = json.loads(marker.read_text())
-    splits = split_corpus(corpus_dir, tables["train"], tables["test"], cfg.val_fraction, cfg.split_seed)
+    splits = split_corpus(corpus_dir / f"splits-seed{cfg.split_seed}-val{cfg.val_fraction}.json", tables["train"],
+                          tables["test"], cfg.val_fraction, cfg.split_seed)
     summary = {
         "corpus": name,
         "root": str(root),

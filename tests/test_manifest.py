@@ -18,6 +18,7 @@ from batchrnn.data import prepare
 from batchrnn.data.corpus import DataError, corpus_changes, prepare_corpus
 from batchrnn.data.features import Featurizer, load_features
 from batchrnn.data.manifest import pin_content
+from batchrnn.study.scheduler import jobs
 from batchrnn.training.identity import mismatch, run_name
 from batchrnn.training.loop import train
 from batchrnn.validation import validate
@@ -264,6 +265,11 @@ def test_a_run_is_known_by_what_its_manifests_hold_not_where_they_lie(tmp_path, 
     write_manifest(moved / "train.jsonl", lines(range(4)))
     other, other_config = named(moved)
     assert other != name and mismatch(config, other_config) == ["data.manifest_sha256"]
+    # the study names each job's run as src/run.py does
+    planned = jobs(["experiment=smoke", "data=manifest", f"data.train={corpus_dir / 'train.jsonl'}",
+                    f"data.test={corpus_dir / 'test.jsonl'}"])
+    assert len(planned) == 3 and {job.cfg.data.manifest_sha256 for job in planned} == {
+        config["data"]["manifest_sha256"]}
     # AN4 keeps its folder names: the new settings at their defaults count as absent
     an4 = to_container(make_config("experiment=smoke"))
     pinned = make_config("experiment=smoke")

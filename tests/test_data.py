@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import tarfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ import soundfile as sf
 import torch
 from omegaconf import OmegaConf
 
+from batchrnn.data import base
 from batchrnn.data import corpus as data
 from batchrnn.data import features
 from batchrnn.data import prepare
@@ -146,14 +148,14 @@ def test_split_is_deterministic_whole_speakers_and_reused(tmp_path, synthetic, m
     assert not speakers["train"] & speakers["val"]
     assert not speakers["test"] & (speakers["train"] | speakers["val"])
     assert len(speakers["val"]) == 1 and len(speakers["train"]) == 5  # round(6 * 0.1) with at least one
-    assert data.choose_val_speakers([f"s{i}" for i in range(74)], 0.1, 0) == data.choose_val_speakers(
+    assert base.choose_val_speakers([f"s{i}" for i in range(74)], 0.1, 0) == base.choose_val_speakers(
         [f"s{i}" for i in reversed(range(74))], 0.1, 0
     )
-    assert len(data.choose_val_speakers([f"s{i}" for i in range(74)], 0.1, 0)) == 7
+    assert len(base.choose_val_speakers([f"s{i}" for i in range(74)], 0.1, 0)) == 7
     split_file = corpus.root / "an4" / f"splits-seed{cfg.split_seed}-val{cfg.val_fraction}.json"
     assert json.loads(split_file.read_text())["val_speakers"] == sorted(speakers["val"])
     mtime = split_file.stat().st_mtime_ns
-    monkeypatch.setattr(data, "choose_val_speakers", lambda *a: pytest.fail("the saved split was not reused"))
+    monkeypatch.setattr(base, "choose_val_speakers", lambda *a: pytest.fail("the saved split was not reused"))
     again = prepare_corpus(cfg)
     assert again.splits == corpus.splits and split_file.stat().st_mtime_ns == mtime
 
@@ -187,7 +189,7 @@ def test_feature_shapes_and_normalisation():
 
 def test_feature_cache_written_once_then_loaded(tmp_path, synthetic, monkeypatch):
     cfg, corpus = synthetic
-    corpus = data.Corpus(corpus.name, tmp_path, corpus.splits, corpus.summary)  # a fresh cache folder
+    corpus = replace(corpus, root=tmp_path)  # a fresh cache folder
     fs = load_features(corpus, "val", cfg)
     assert len(fs) == 6 and fs.num_features == 161 and fs.texts == [u.text for u in corpus.splits["val"]]
     path = features.cache_path(corpus, "val", cfg)
@@ -206,7 +208,7 @@ def test_feature_cache_written_once_then_loaded(tmp_path, synthetic, monkeypatch
 
 def test_memory_mapped_cache_holds_the_features_bit_for_bit(tmp_path, synthetic):
     cfg, corpus = synthetic
-    corpus = data.Corpus(corpus.name, tmp_path, corpus.splits, corpus.summary)
+    corpus = replace(corpus, root=tmp_path)
     featurizer = Featurizer(cfg)
     before = [featurizer(read_audio(u.path)) for u in corpus.splits["train"]]  # what the in-memory cache held
     fs = load_features(corpus, "train", cfg)
@@ -221,7 +223,7 @@ def test_memory_mapped_cache_holds_the_features_bit_for_bit(tmp_path, synthetic)
 
 def test_cache_is_written_utterance_by_utterance(tmp_path, synthetic, monkeypatch):
     cfg, corpus = synthetic
-    folder = features.cache_path(data.Corpus(corpus.name, tmp_path, corpus.splits, corpus.summary), "val", cfg).parent
+    folder = features.cache_path(replace(corpus, root=tmp_path), "val", cfg).parent
     written = []
 
     def read(u):  # before each utterance, what the temporary frames file already holds
@@ -229,13 +231,13 @@ def test_cache_is_written_utterance_by_utterance(tmp_path, synthetic, monkeypatc
         return read_audio(u.path)
 
     monkeypatch.setattr(torch, "cat", lambda *a, **k: pytest.fail("a whole split concatenated in memory"))
-    fs = load_features(data.Corpus(corpus.name, tmp_path, corpus.splits, corpus.summary, read), "val", cfg)
+    fs = load_features(replace(corpus, root=tmp_path, read=read), "val", cfg)
     assert written == [4 * fs.num_features * sum(fs.lengths[:i]) for i in range(len(fs))]
 
 
 def test_a_cache_of_another_version_or_size_is_computed_again(tmp_path, synthetic):
     cfg, corpus = synthetic
-    corpus = data.Corpus(corpus.name, tmp_path, corpus.splits, corpus.summary)
+    corpus = replace(corpus, root=tmp_path)
     fs = load_features(corpus, "val", cfg)
     index = features.cache_path(corpus, "val", cfg)
     meta = json.loads(index.read_text())
@@ -260,7 +262,7 @@ def test_an_epoch_over_a_mapped_cache_keeps_resident_memory_flat(tmp_path):
     rng, width, n = np.random.default_rng(0), 64, 2000
     lengths = rng.integers(300, 700, n).tolist()
     utts = [Utterance(f"u{i}", "", "", "YES") for i in range(n)]
-    corpus = data.Corpus("manifest", tmp_path, {"train": utts}, {})
+    corpus = base.Corpus("manifest", tmp_path, {"train": utts}, {}, read=lambda u: pytest.fail("no audio to read"))
     cfg = DataConfig(n_mels=width)
     index = features.cache_path(corpus, "train", cfg)
     index.parent.mkdir(parents=True)

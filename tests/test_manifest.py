@@ -15,7 +15,8 @@ from omegaconf import OmegaConf
 
 from batchrnn.config import ConfigError, DataConfig, to_container
 from batchrnn.data import prepare
-from batchrnn.data.corpus import DataError, corpus_changes, prepare_corpus
+from batchrnn.data.base import DataError, corpus_changes
+from batchrnn.data.corpus import prepare_corpus
 from batchrnn.data.features import Featurizer, load_features
 from batchrnn.data.manifest import pin_content
 from batchrnn.study.scheduler import jobs

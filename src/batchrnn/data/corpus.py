@@ -1,14 +1,13 @@
 """The AN4 corpus: fetch the archive, extract it safely, verify it once, parse it, split it by speaker.
 
-`prepare_corpus` does all of it idempotently (and hands data.corpus=manifest to batchrnn.data.manifest, which
-builds on this module's Utterance, Corpus and split); `python -m batchrnn.data` runs it from the shell.
+`prepare_corpus` does all of it idempotently (and hands data.corpus=manifest to batchrnn.data.manifest);
+`python -m batchrnn.data` runs it from the shell. What both build on (Utterance, Corpus, the split) is in base.py.
 `make_synthetic_archive` writes a tiny AN4-shaped archive that goes through the very same pipeline.
 """
 import hashlib
 import http.client
 import json
 import os
-import random
 import re
 import tarfile
 import tempfile
@@ -18,21 +17,20 @@ import urllib.parse
 import urllib.request
 import warnings
 import zlib
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import soundfile as sf
 import torch
 
 from batchrnn.config import CorpusName, DataConfig
+from batchrnn.data.base import SAMPLE_RATE, Corpus, DataError, Utterance, describe, split_corpus
+from batchrnn.data.manifest import prepare_manifest_corpus
 from batchrnn.errors import one_line
 from batchrnn.storage import write_json
 from batchrnn.data.text import TranscriptError, normalize
 from batchrnn.progress import progress_bar
 
-SAMPLE_RATE = 16000  # AN4 is 16 kHz, 16-bit, mono
 # Archives whose bytes we have seen; any other archive is checked by content instead of refused,
 # because AN4 circulates in several repackagings with the same audio.
 KNOWN_SHA256 = {
@@ -43,34 +41,6 @@ AN4_COUNTS = {"train": 948, "test": 130}  # utterances in the real corpus
 LAYOUT = {"train": ("an4_clstk", "an4_train"), "test": ("an4test_clstk", "an4_test")}
 MARKER = ".prepared.json"  # written last: its presence means extraction and verification completed
 RETRY_WAIT_S = 1.0  # a broken download is retried after 1, 2, 4 ... times this
-
-
-class DataError(RuntimeError):
-    """A corpus problem the user can fix; the message names the file and the fix."""
-
-
-@dataclass(frozen=True)
-class Utterance:
-    id: str  # AN4: <prompt>-<speaker>-b; a manifest's: its audio path and offset
-    speaker: str  # "" where a manifest gives none
-    path: str  # the audio file
-    text: str  # normalised, in text.LABELS
-    offset: float = 0.0  # seconds into the file where the utterance starts (a manifest's "offset")
-    duration: float = 0.0  # seconds read from offset on (a manifest's "duration"); 0: the whole file (AN4)
-
-
-def read_utterance(u: Utterance) -> torch.Tensor:
-    """An AN4 utterance's samples: its whole SPHERE file."""
-    return read_audio(u.path)
-
-
-@dataclass
-class Corpus:
-    name: str  # "an4", "synthetic" or "manifest"
-    root: Path  # holds features/ (and AN4's an4/)
-    splits: dict[str, list[Utterance]]  # train, val, test
-    summary: dict  # counts per split, skipped items, checksum status
-    read: Callable[[Utterance], torch.Tensor] = field(default=read_utterance)  # float32 mono 16 kHz (samples,)
 
 
 # -----------------------------------------------------------------------------
@@ -225,6 +195,11 @@ def _audio_info(path):
     return info
 
 
+def read_utterance(u: Utterance) -> torch.Tensor:
+    """An AN4 utterance's samples: its whole SPHERE file."""
+    return read_audio(u.path)
+
+
 def read_audio(path) -> torch.Tensor:
     """float32 mono samples at 16 kHz; libsndfile reads each file's byte order from its header."""
     _audio_info(path)
@@ -295,65 +270,6 @@ def read_split(corpus_dir: Path, split: str) -> tuple[list[Utterance], dict[str,
     return utts, skipped, normalized
 
 
-def describe(corpus_dir, split: str, skipped: dict[str, list[str]], normalized: list[str]) -> list[str]:
-    """One line per kind of utterance left out or changed, naming the first few."""
-    what = {"no_audio": "skipping {n} {split} utterances without audio",
-            "no_transcript": "skipping {n} {split} utterances without a transcript",
-            "bad_text": "skipping {n} {split} utterances whose text has characters outside the alphabet "
-                        "(data.bad_text=skip)",
-            "normalized": "{n} {split} transcripts normalised (case or punctuation)"}
-    return [f"{corpus_dir}: {what[kind].format(n=len(ids), split=split)}: "
-            + ", ".join(ids[:5]) + (", ..." if len(ids) > 5 else "")
-            for kind, ids in (skipped | {"normalized": normalized}).items() if ids]
-
-
-def corpus_changes(summary: dict) -> list[str]:
-    """describe()'s lines from a corpus summary, for the run's log, each naming its manifest or AN4's folder."""
-    sources = summary.get("manifests", {})
-    return [line for split in summary["skipped_ids"] for line in
-            describe(sources.get(split) or Path(summary["root"]) / "an4", split, summary["skipped_ids"][split],
-                     summary["normalized_ids"][split])]
-
-
-# -----------------------------------------------------------------------------
-# splits
-
-def choose_val_speakers(speakers: list[str], val_fraction: float, seed: int, what: str = "speakers") -> list[str]:
-    speakers = sorted(speakers)
-    if len(speakers) < 2:
-        raise DataError(f"{len(speakers)} training {what}: a validation split needs at least 2")
-    n_val = min(max(1, round(len(speakers) * val_fraction)), len(speakers) - 1)
-    return sorted(random.Random(seed).sample(speakers, n_val))
-
-
-def split_corpus(
-    path: Path, train: list[Utterance], test: list[Utterance], val_fraction: float, seed: int,
-    by_speaker: bool = True,
-) -> dict[str, list[Utterance]]:
-    """train/val/test with whole speakers in val (by_speaker=False: single utterances, for a corpus that names
-    no speakers); the split is kept on disk at path so every run shares it."""
-    by_id = {u.id: u for u in train}
-    if path.is_file():
-        saved = json.loads(path.read_text())
-        if set(saved["train"]) | set(saved["val"]) != by_id.keys():
-            raise DataError(f"{path}: lists other utterances than the corpus holds; delete it to re-split")
-    else:
-        group = (lambda u: u.speaker) if by_speaker else (lambda u: u.id)
-        held = set(choose_val_speakers(list({group(u) for u in train}), val_fraction, seed,
-                                       "speakers" if by_speaker else "utterances"))
-        saved = {"split_seed": seed, "val_fraction": val_fraction}
-        if by_speaker:
-            saved |= {"train_speakers": sorted({u.speaker for u in train} - held), "val_speakers": sorted(held),
-                      "test_speakers": sorted({u.speaker for u in test})}
-        else:
-            saved["by"] = "utterance"
-        saved |= {"train": [u.id for u in train if group(u) not in held],
-                  "val": [u.id for u in train if group(u) in held], "test": [u.id for u in test]}
-        write_json(path, saved)
-    return {"train": [by_id[i] for i in saved["train"]], "val": [by_id[i] for i in saved["val"]],
-            "test": test}
-
-
 # -----------------------------------------------------------------------------
 # the pipeline
 
@@ -361,8 +277,6 @@ def prepare_corpus(cfg: DataConfig) -> Corpus:
     """Fetch, extract, verify (once), parse and split; later calls only parse and reuse the split."""
     name = CorpusName(cfg.corpus).value  # the schema's enum: Hydra refused any other value
     if name == CorpusName.manifest.value:
-        from batchrnn.data.manifest import prepare_manifest_corpus  # it builds on this module: imported here
-
         return prepare_manifest_corpus(cfg)
     # The synthetic corpus lives in its own folder so the two never mix, features included.
     root = Path(cfg.root) / name if name == "synthetic" else Path(cfg.root)
@@ -404,7 +318,7 @@ def prepare_corpus(cfg: DataConfig) -> Corpus:
         "normalized": {s: len(ids) for s, ids in normalized.items()},
         "normalized_ids": normalized,
     }
-    return Corpus(name=name, root=root, splits=splits, summary=summary)
+    return Corpus(name=name, root=root, splits=splits, summary=summary, read=read_utterance)
 
 
 # -----------------------------------------------------------------------------

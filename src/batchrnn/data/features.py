@@ -18,7 +18,7 @@ import torch
 import torchaudio
 
 from batchrnn.config import DataConfig
-from batchrnn.data.corpus import SAMPLE_RATE, Corpus
+from batchrnn.data.base import SAMPLE_RATE, Corpus
 from batchrnn.errors import one_line
 from batchrnn.storage import atomic_write
 from batchrnn.data.text import encode

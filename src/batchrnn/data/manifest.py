@@ -19,7 +19,7 @@ import torch
 import torchaudio
 
 from batchrnn.config import BadText, CorpusName, DataConfig
-from batchrnn.data.corpus import SAMPLE_RATE, Corpus, DataError, Utterance, describe, split_corpus
+from batchrnn.data.base import SAMPLE_RATE, Corpus, DataError, Utterance, describe, split_corpus
 from batchrnn.data.text import TranscriptError, normalize
 from batchrnn.storage import atomic_write
 

@@ -14,6 +14,7 @@ import torch
 from omegaconf import OmegaConf
 
 from batchrnn.config import ConfigError, DataConfig, to_container
+from batchrnn import evaluate
 from batchrnn.data import prepare
 from batchrnn.data.base import DataError, corpus_changes
 from batchrnn.data.corpus import prepare_corpus
@@ -109,7 +110,8 @@ def test_without_val_a_seeded_split_by_speaker_is_written_and_reused(tmp_path, c
     split_file = Path(corpus.summary["val"].split(" (")[0])
     saved = json.loads(split_file.read_text())
     assert split_file.parent == tmp_path / "data" / "manifest" and saved["val_speakers"] == sorted(val_speakers)
-    assert prepare_corpus(cfg).splits == corpus.splits  # read back, not drawn again
+    mtime = split_file.stat().st_mtime_ns
+    assert prepare_corpus(cfg).splits == corpus.splits and split_file.stat().st_mtime_ns == mtime  # read back
     cfg.split_seed = 1
     prepare_corpus(cfg)
     assert len(list(split_file.parent.glob("splits-*.json"))) == 2  # another seed, another split of its own
@@ -297,6 +299,14 @@ def test_an4_exported_as_manifests_trains_as_the_built_in_path(tmp_path, capsys,
         assert fa.texts == fb.texts and fa.lengths == fb.lengths and len(fa) == len(a.splits[split])
         assert all(torch.equal(x, y) for x, y in zip(fa.feats, fb.feats))  # bit for bit
         assert [Path(u.path).name for u in a.splits[split]] == [Path(u.path).name for u in b.splits[split]]
+    pin_content(manifest.data)  # as src/run.py does
     first, again = train(built_in, tmp_path / "an4")["epochs"][0], train(manifest, tmp_path / "manifest")["epochs"][0]
     assert first["train_loss"] == again["train_loss"] and first["val_loss"] == again["val_loss"]
     assert first["val_wer"] == again["val_wer"] and first["grad_norm_max"] == again["grad_norm_max"]
+    # a manifest run is re-scored on its own manifests, and refused once they have changed
+    evaluate.main(["score", str(tmp_path / "manifest"), "--device", "cpu"])
+    assert "test WER" in capsys.readouterr().out
+    Path(exported["test"]).write_text("".join(Path(exported["test"]).read_text().splitlines(True)[:3]))
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["score", str(tmp_path / "manifest"), "--device", "cpu"])
+    assert e.value.code == 2 and "have changed since the run trained" in capsys.readouterr().err

@@ -59,13 +59,13 @@ def environment(dry_run: bool) -> dict:
 def prepare(cfg) -> dict:
     """The corpus and the feature cache the runs read, computed before any GPU step."""
     from batchrnn.data.corpus import prepare_corpus
-    from batchrnn.data.features import cache_path, load_features
+    from batchrnn.data.features import cache_path, frames_path, load_features
 
     corpus = prepare_corpus(cfg.data)
     sizes = {s: len(load_features(corpus, s, cfg.data)) for s in corpus.splits}
     caches = [cache_path(corpus, s, cfg.data) for s in corpus.splits]
     return {"utterances": sizes, "features": [str(c) for c in caches],
-            "features_mb": round(sum(c.stat().st_size for c in caches) / 2**20, 1)}
+            "features_mb": round(sum(frames_path(c).stat().st_size + c.stat().st_size for c in caches) / 2**20, 1)}
 
 
 def plan(args, cfg) -> list[dict]:

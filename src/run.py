@@ -70,11 +70,18 @@ def run(cfg: DictConfig) -> float:
     if cfg.train.threads == 0:  # the job's share of the cores, recorded in results.json
         cfg.train.threads = job_threads(HydraConfig.get().launcher, len(os.sched_getaffinity(0)))
     from batchrnn.data.corpus import DataError  # after validation: a bad value fails before torch loads
+    from batchrnn.data.manifest import pin_content
     from batchrnn.study.protocol import ProtocolError, nothing_to_widen, stage_settings
     from batchrnn.training.identity import run_name
     from batchrnn.training.rundir import RunError, RunFolder
     from batchrnn.training.loop import TrainingDiverged, train
 
+    try:
+        pin_content(cfg.data)  # data=manifest: the manifests' content is part of the run's identity
+    except DataError as e:
+        log.error("error: %s", e)
+        record_stop(str(e))
+        sys.exit(2)
     hydra_cfg = HydraConfig.get()
     study_dir = Path(hydra_cfg.runtime.output_dir)
     try:

@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import tarfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ import soundfile as sf
 import torch
 from omegaconf import OmegaConf
 
+from batchrnn.data import base
 from batchrnn.data import corpus as data
 from batchrnn.data import features
 from batchrnn.data import prepare
@@ -146,14 +148,14 @@ def test_split_is_deterministic_whole_speakers_and_reused(tmp_path, synthetic, m
     assert not speakers["train"] & speakers["val"]
     assert not speakers["test"] & (speakers["train"] | speakers["val"])
     assert len(speakers["val"]) == 1 and len(speakers["train"]) == 5  # round(6 * 0.1) with at least one
-    assert data.choose_val_speakers([f"s{i}" for i in range(74)], 0.1, 0) == data.choose_val_speakers(
+    assert base.choose_val_speakers([f"s{i}" for i in range(74)], 0.1, 0) == base.choose_val_speakers(
         [f"s{i}" for i in reversed(range(74))], 0.1, 0
     )
-    assert len(data.choose_val_speakers([f"s{i}" for i in range(74)], 0.1, 0)) == 7
+    assert len(base.choose_val_speakers([f"s{i}" for i in range(74)], 0.1, 0)) == 7
     split_file = corpus.root / "an4" / f"splits-seed{cfg.split_seed}-val{cfg.val_fraction}.json"
     assert json.loads(split_file.read_text())["val_speakers"] == sorted(speakers["val"])
     mtime = split_file.stat().st_mtime_ns
-    monkeypatch.setattr(data, "choose_val_speakers", lambda *a: pytest.fail("the saved split was not reused"))
+    monkeypatch.setattr(base, "choose_val_speakers", lambda *a: pytest.fail("the saved split was not reused"))
     again = prepare_corpus(cfg)
     assert again.splits == corpus.splits and split_file.stat().st_mtime_ns == mtime
 
@@ -187,7 +189,7 @@ def test_feature_shapes_and_normalisation():
 
 def test_feature_cache_written_once_then_loaded(tmp_path, synthetic, monkeypatch):
     cfg, corpus = synthetic
-    corpus = data.Corpus(corpus.name, tmp_path, corpus.splits, corpus.summary)  # a fresh cache folder
+    corpus = replace(corpus, root=tmp_path)  # a fresh cache folder
     fs = load_features(corpus, "val", cfg)
     assert len(fs) == 6 and fs.num_features == 161 and fs.texts == [u.text for u in corpus.splits["val"]]
     path = features.cache_path(corpus, "val", cfg)
@@ -202,6 +204,84 @@ def test_feature_cache_written_once_then_loaded(tmp_path, synthetic, monkeypatch
     with pytest.warns(UserWarning, match="unreadable feature cache"):
         rebuilt = load_features(corpus, "val", cfg)
     assert rebuilt.lengths == fs.lengths
+
+
+def test_memory_mapped_cache_holds_the_features_bit_for_bit(tmp_path, synthetic):
+    cfg, corpus = synthetic
+    corpus = replace(corpus, root=tmp_path)
+    featurizer = Featurizer(cfg)
+    before = [featurizer(read_audio(u.path)) for u in corpus.splits["train"]]  # what the in-memory cache held
+    fs = load_features(corpus, "train", cfg)
+    assert len(fs) == len(before) and all(torch.equal(a, b) for a, b in zip(before, fs.feats))
+    assert isinstance(fs.feats, features.MappedFeatures) and fs.lengths == [len(f) for f in before]
+    index = features.cache_path(corpus, "train", cfg)
+    assert features.frames_path(index).stat().st_size == 4 * sum(fs.lengths) * fs.num_features
+    meta = json.loads(index.read_text())
+    assert meta["version"] == features.CACHE_VERSION and meta["ids"] == fs.ids and meta["lengths"] == fs.lengths
+    assert sorted(p.name for p in index.parent.iterdir()) == ["train.f32", "train.json"]  # no temporary left
+
+
+def test_cache_is_written_utterance_by_utterance(tmp_path, synthetic, monkeypatch):
+    cfg, corpus = synthetic
+    folder = features.cache_path(replace(corpus, root=tmp_path), "val", cfg).parent
+    written = []
+
+    def read(u):  # before each utterance, what the temporary frames file already holds
+        written.append(sum(p.stat().st_size for p in folder.glob(".val.f32.*.tmp")))
+        return read_audio(u.path)
+
+    monkeypatch.setattr(torch, "cat", lambda *a, **k: pytest.fail("a whole split concatenated in memory"))
+    fs = load_features(replace(corpus, root=tmp_path, read=read), "val", cfg)
+    assert written == [4 * fs.num_features * sum(fs.lengths[:i]) for i in range(len(fs))]
+
+
+def test_a_cache_of_another_version_or_size_is_computed_again(tmp_path, synthetic):
+    cfg, corpus = synthetic
+    corpus = replace(corpus, root=tmp_path)
+    fs = load_features(corpus, "val", cfg)
+    index = features.cache_path(corpus, "val", cfg)
+    meta = json.loads(index.read_text())
+    index.write_text(json.dumps(meta | {"version": 1}))
+    with pytest.warns(UserWarning, match="cache version 1, expected"):
+        load_features(corpus, "val", cfg)
+    frames = features.frames_path(index)
+    frames.write_bytes(frames.read_bytes()[:-4])
+    with pytest.warns(UserWarning, match="val.f32 holds .* bytes, the index says"):
+        again = load_features(corpus, "val", cfg)
+    assert all(torch.equal(a, b) for a, b in zip(fs.feats, again.feats))
+
+
+def rss_anon() -> int:
+    """Resident anonymous memory in bytes: the heap, not the pages of mapped files."""
+    return int(re.search(r"RssAnon:\s+(\d+) kB", Path("/proc/self/status").read_text())[1]) * 1024
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="RssAnon is Linux's")
+def test_an_epoch_over_a_mapped_cache_keeps_resident_memory_flat(tmp_path):
+    """256 MB of features written straight into the cache format (no audio), then an epoch of batches."""
+    rng, width, n = np.random.default_rng(0), 64, 2000
+    lengths = rng.integers(300, 700, n).tolist()
+    utts = [Utterance(f"u{i}", "", "", "YES") for i in range(n)]
+    corpus = base.Corpus("manifest", tmp_path, {"train": utts}, {}, read=lambda u: pytest.fail("no audio to read"))
+    cfg = DataConfig(n_mels=width)
+    index = features.cache_path(corpus, "train", cfg)
+    index.parent.mkdir(parents=True)
+    with open(features.frames_path(index), "wb") as f:
+        for length in lengths:
+            f.write(rng.standard_normal((length, width), dtype=np.float32).tobytes())
+    index.write_text(json.dumps({"version": features.CACHE_VERSION, "num_features": width,
+                                 "ids": [u.id for u in utts], "lengths": lengths}))
+    size = features.frames_path(index).stat().st_size
+    assert size > 200e6
+    before = rss_anon()
+    fs = load_features(corpus, "train", cfg)
+    total, peak = 0.0, 0
+    for batch in make_batches(fs.lengths, 32, shuffle=True, seed=0):
+        x, x_lens, _, _ = collate(fs, batch)
+        total += float(x.sum())
+        peak = max(peak, rss_anon() - before)
+    assert total != 0.0 and sum(fs.lengths) * width * 4 == size  # every frame was read
+    assert peak < 0.25 * size, f"RssAnon grew by {peak / 1e6:.0f} MB over an epoch of a {size / 1e6:.0f} MB cache"
 
 
 def test_make_batches():

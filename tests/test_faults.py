@@ -15,14 +15,15 @@ import sys
 import tarfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import soundfile as sf
-import torch
 from hydra import compose, initialize_config_dir
 
+from batchrnn.data import base
 from batchrnn.data import corpus as data
 from batchrnn.data import features
 from batchrnn.tracking import tracker as tracking
@@ -88,7 +89,7 @@ def training_speaker_lines(an4: Path) -> list[int]:
     """Indices of train transcript lines whose speaker lands in the training split, not validation."""
     lines = train_lines(an4)
     speakers = sorted({uid(l).split("-")[1] for l in lines})
-    val = set(data.choose_val_speakers(speakers, DataConfig.val_fraction, DataConfig.split_seed))
+    val = set(base.choose_val_speakers(speakers, DataConfig.val_fraction, DataConfig.split_seed))
     return [i for i, l in enumerate(lines) if uid(l).split("-")[1] not in val]
 
 
@@ -294,12 +295,13 @@ def test_non_finite_step_is_skipped_and_counted(tmp_path, caplog):
     cfg = config(f"data.root={tmp_path / 'data'}")
     corpus = prepare_corpus(cfg.data)
     bad = corpus.splits["train"][5].id
-    features.load_features(corpus, "train", cfg.data)
-    path = features.cache_path(corpus, "train", cfg.data)
-    blob = torch.load(path)
-    start = sum(blob["lengths"][:5])
-    blob["feats"][start:start + 3] = float("nan")  # three frames of one utterance, in the real cache file
-    torch.save(blob, path)
+    fs = features.load_features(corpus, "train", cfg.data)
+    frames = np.memmap(features.frames_path(features.cache_path(corpus, "train", cfg.data)), np.float32, "r+",
+                       shape=(sum(fs.lengths), fs.num_features))
+    start = sum(fs.lengths[:5])
+    frames[start:start + 3] = float("nan")  # three frames of one utterance, in the real cache file
+    frames.flush()
+    del frames, fs
     results = train(cfg, tmp_path / "run")
     assert results["status"] == "finished"
     assert results["skipped_steps"] == 2 and [e["skipped_steps"] for e in results["epochs"]] == [1, 2]
@@ -457,7 +459,7 @@ def test_damaged_results_of_a_finished_run_are_rebuilt_without_training(smoke, t
 def test_corrupt_feature_cache_is_computed_again(tmp_path, smoke):
     cfg = smoke()
     corpus = prepare_corpus(cfg.data)
-    corpus = data.Corpus(corpus.name, tmp_path, corpus.splits, corpus.summary)  # its own cache folder
+    corpus = replace(corpus, root=tmp_path)  # its own cache folder
     fs = features.load_features(corpus, "val", cfg.data)
     features.cache_path(corpus, "val", cfg.data).write_bytes(os.urandom(5000))
     with pytest.warns(UserWarning, match="unreadable feature cache .*computing it again"):

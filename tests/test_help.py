@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from batchrnn.config import BNMode, Device, Impl, LoggerMode, RNNType
+from batchrnn.config import BadText, BNMode, CorpusName, Device, Impl, LoggerMode, RNNType
 from conftest import ROOT
 
 
@@ -18,7 +18,8 @@ def help_page() -> str:
 
 
 @pytest.mark.parametrize("key,enum", [("model.rnn", RNNType), ("model.bn", BNMode), ("model.impl", Impl),
-                                      ("train.device", Device), ("logger.mode", LoggerMode)])
+                                      ("train.device", Device), ("logger.mode", LoggerMode), ("data", CorpusName),
+                                      ("data.bad_text", BadText)])
 def test_help_lists_every_allowed_value(help_page, key, enum):
     assert f"{key}={'|'.join(member.value for member in enum)}" in help_page
 

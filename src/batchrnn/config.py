@@ -32,6 +32,12 @@ class BNMode(str, Enum):
 class CorpusName(str, Enum):
     an4 = "an4"  # CMU AN4, fetched (or taken from data.archive) and prepared once
     synthetic = "synthetic"  # a tiny AN4-shaped corpus generated on the fly (smoke tests)
+    manifest = "manifest"  # a corpus of your own: JSON-lines manifests in NeMo's convention (data.train, val, test)
+
+
+class BadText(str, Enum):
+    refuse = "refuse"  # a transcript with a character outside the alphabet stops the run, naming manifest:line
+    skip = "skip"  # such utterances are left out, counted and logged (Common Voice's digits and hyphens)
 
 
 class Stage(str, Enum):
@@ -90,6 +96,18 @@ class DataConfig:
     # 0 keeps the linear spectrogram (n_fft // 2 + 1 = 161 bins); > 0 projects onto this many mel bands,
     # which shrinks the front end's work on the CPU.
     n_mels: int = 0
+    # data.corpus=manifest: JSON-lines manifests, one utterance a line: {"audio_filepath", "duration", "text"},
+    # optionally "offset" (seconds) and "speaker"; relative audio paths resolve against the manifest's folder.
+    # Where they lie is no part of a run's identity (a moved corpus is the same run); what they hold is, through
+    # manifest_sha256. test is required; without val, a seeded split of train (by speaker when given).
+    train: str = ""
+    val: str = ""
+    test: str = ""
+    # What a manifest line whose text has a character outside the alphabet does (after AN4's normalisation).
+    bad_text: BadText = BadText.refuse
+    # The manifests' content, sha256 over train, val and test: filled in before the run is named
+    # (batchrnn.data.manifest.pin_content), so two corpora never share a run folder. "" for AN4; never set it.
+    manifest_sha256: str = ""
 
 
 @dataclass

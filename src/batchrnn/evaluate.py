@@ -15,6 +15,7 @@ from batchrnn.training.checkpoint import CheckpointError, load_model, typed
 from batchrnn.config import AN4_ARCHIVE_ENV, ConfigError, DataConfig, TrainConfig
 from batchrnn.data.corpus import SAMPLE_RATE, DataError, prepare_corpus, read_audio
 from batchrnn.data.features import Featurizer, load_features
+from batchrnn.data.manifest import content_sha256, manifests
 from batchrnn.storage import write_json
 from batchrnn.data.text import greedy_decode
 from batchrnn.training.device import pick_device, uses_bf16
@@ -52,6 +53,10 @@ def score_split(args) -> None:
     path, device = checkpoint_path(args.checkpoint), pick_device(args.device)
     model, info = load_model(path, device)
     cfg = data_config(info, args.data_root)
+    if cfg.manifest_sha256 and content_sha256(cfg) != cfg.manifest_sha256:  # its test set would not be the run's
+        given = ", ".join(str(m) for m in manifests(cfg).values())
+        raise UsageError(f"{path}: its manifests ({given}) have changed since the run trained; score it on the "
+                         "manifests it was trained with")
     fs = load_features(prepare_corpus(cfg), args.split, cfg)
     result = score(model, fs, info["config"]["train"]["batch_size"], device, uses_amp(info, device), progress=True)
     print(f"{path}: {args.split} WER {100 * result['wer']:.2f}%, CER {100 * result['cer']:.2f}%, "

@@ -1,7 +1,7 @@
 """The checks the schema's types cannot express, run before any work starts (ConfigError names the setting)."""
 from omegaconf import DictConfig, OmegaConf
 
-from batchrnn.config import Config, ConfigError, Stage, check_known_keys
+from batchrnn.config import BadText, Config, ConfigError, CorpusName, Stage, check_known_keys
 
 
 def validate(cfg: Config | DictConfig) -> None:
@@ -45,6 +45,19 @@ def validate(cfg: Config | DictConfig) -> None:
         raise ConfigError(f"train.plateau_min_cuts={t.plateau_min_cuts}: must be 0 or more")
     if not 0 < d.val_fraction < 1:
         raise ConfigError(f"data.val_fraction={d.val_fraction}: must be between 0 and 1")
+    manifests = {"data.train": d.train, "data.val": d.val, "data.test": d.test}
+    if CorpusName(d.corpus) is CorpusName.manifest:
+        for key, what in (("data.train", "the training manifest"), ("data.test", "the test manifest, scored once "
+                                                                                  "with the best checkpoint")):
+            if not manifests[key]:
+                raise ConfigError(f"{key}: not given; data=manifest needs {what}: {key}=PATH.jsonl")
+    else:
+        for key, value in manifests.items():
+            if value:
+                raise ConfigError(f"{key}={value}: a manifest, read only by data=manifest (data.corpus is "
+                                  f"{CorpusName(d.corpus).value}); add data=manifest, or drop {key}")
+        if BadText(d.bad_text) is not BadText.refuse:
+            raise ConfigError(f"data.bad_text={BadText(d.bad_text).value}: only data=manifest reads it; drop it")
     if any(lr <= 0 for lr in p.lrs):
         raise ConfigError(f"protocol.lrs={list(p.lrs)}: every learning rate must be positive")
     if not p.seeds or not p.tune_seeds:

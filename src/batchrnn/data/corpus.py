@@ -1,13 +1,13 @@
 """The AN4 corpus: fetch the archive, extract it safely, verify it once, parse it, split it by speaker.
 
-`prepare_corpus` does all of it idempotently; `python -m batchrnn.data` runs it from the shell.
+`prepare_corpus` does all of it idempotently (and hands data.corpus=manifest to batchrnn.data.manifest);
+`python -m batchrnn.data` runs it from the shell. What both build on (Utterance, Corpus, the split) is in base.py.
 `make_synthetic_archive` writes a tiny AN4-shaped archive that goes through the very same pipeline.
 """
 import hashlib
 import http.client
 import json
 import os
-import random
 import re
 import tarfile
 import tempfile
@@ -17,7 +17,6 @@ import urllib.parse
 import urllib.request
 import warnings
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,12 +24,13 @@ import soundfile as sf
 import torch
 
 from batchrnn.config import CorpusName, DataConfig
+from batchrnn.data.base import SAMPLE_RATE, Corpus, DataError, Utterance, describe, split_corpus
+from batchrnn.data.manifest import prepare_manifest_corpus
 from batchrnn.errors import one_line
 from batchrnn.storage import write_json
 from batchrnn.data.text import TranscriptError, normalize
 from batchrnn.progress import progress_bar
 
-SAMPLE_RATE = 16000  # AN4 is 16 kHz, 16-bit, mono
 # Archives whose bytes we have seen; any other archive is checked by content instead of refused,
 # because AN4 circulates in several repackagings with the same audio.
 KNOWN_SHA256 = {
@@ -41,26 +41,6 @@ AN4_COUNTS = {"train": 948, "test": 130}  # utterances in the real corpus
 LAYOUT = {"train": ("an4_clstk", "an4_train"), "test": ("an4test_clstk", "an4_test")}
 MARKER = ".prepared.json"  # written last: its presence means extraction and verification completed
 RETRY_WAIT_S = 1.0  # a broken download is retried after 1, 2, 4 ... times this
-
-
-class DataError(RuntimeError):
-    """A corpus problem the user can fix; the message names the file and the fix."""
-
-
-@dataclass(frozen=True)
-class Utterance:
-    id: str  # <prompt>-<speaker>-b
-    speaker: str
-    path: str  # the .sph file
-    text: str  # normalised, in text.LABELS
-
-
-@dataclass
-class Corpus:
-    name: str  # "an4" or "synthetic"
-    root: Path  # holds an4/ and features/
-    splits: dict[str, list[Utterance]]  # train, val, test
-    summary: dict  # counts per split, skipped items, checksum status
 
 
 # -----------------------------------------------------------------------------
@@ -215,6 +195,11 @@ def _audio_info(path):
     return info
 
 
+def read_utterance(u: Utterance) -> torch.Tensor:
+    """An AN4 utterance's samples: its whole SPHERE file."""
+    return read_audio(u.path)
+
+
 def read_audio(path) -> torch.Tensor:
     """float32 mono samples at 16 kHz; libsndfile reads each file's byte order from its header."""
     _audio_info(path)
@@ -285,67 +270,14 @@ def read_split(corpus_dir: Path, split: str) -> tuple[list[Utterance], dict[str,
     return utts, skipped, normalized
 
 
-def describe(corpus_dir, split: str, skipped: dict[str, list[str]], normalized: list[str]) -> list[str]:
-    """One line per kind of utterance left out or changed, naming the first few."""
-    what = {"no_audio": "skipping {n} {split} utterances without audio",
-            "no_transcript": "skipping {n} {split} utterances without a transcript",
-            "normalized": "{n} {split} transcripts normalised (case or punctuation)"}
-    return [f"{corpus_dir}: {what[kind].format(n=len(ids), split=split)}: "
-            + ", ".join(ids[:5]) + (", ..." if len(ids) > 5 else "")
-            for kind, ids in (skipped | {"normalized": normalized}).items() if ids]
-
-
-def corpus_changes(summary: dict) -> list[str]:
-    """describe()'s lines from a corpus summary, for the run's log."""
-    return [line for split in summary["skipped_ids"] for line in
-            describe(Path(summary["root"]) / "an4", split, summary["skipped_ids"][split],
-                     summary["normalized_ids"][split])]
-
-
-# -----------------------------------------------------------------------------
-# splits
-
-def choose_val_speakers(speakers: list[str], val_fraction: float, seed: int) -> list[str]:
-    speakers = sorted(speakers)
-    if len(speakers) < 2:
-        raise DataError(f"{len(speakers)} training speakers: a validation split needs at least 2")
-    n_val = min(max(1, round(len(speakers) * val_fraction)), len(speakers) - 1)
-    return sorted(random.Random(seed).sample(speakers, n_val))
-
-
-def split_corpus(
-    corpus_dir: Path, train: list[Utterance], test: list[Utterance], val_fraction: float, seed: int
-) -> dict[str, list[Utterance]]:
-    """train/val/test with whole speakers in val; the split is kept on disk so every run shares it."""
-    path = corpus_dir / f"splits-seed{seed}-val{val_fraction}.json"
-    by_id = {u.id: u for u in train}
-    if path.is_file():
-        saved = json.loads(path.read_text())
-        if set(saved["train"]) | set(saved["val"]) != by_id.keys():
-            raise DataError(f"{path}: lists other utterances than the corpus holds; delete it to re-split")
-    else:
-        val_speakers = set(choose_val_speakers(list({u.speaker for u in train}), val_fraction, seed))
-        saved = {
-            "split_seed": seed,
-            "val_fraction": val_fraction,
-            "train_speakers": sorted({u.speaker for u in train} - val_speakers),
-            "val_speakers": sorted(val_speakers),
-            "test_speakers": sorted({u.speaker for u in test}),
-            "train": [u.id for u in train if u.speaker not in val_speakers],
-            "val": [u.id for u in train if u.speaker in val_speakers],
-            "test": [u.id for u in test],
-        }
-        write_json(path, saved)
-    return {"train": [by_id[i] for i in saved["train"]], "val": [by_id[i] for i in saved["val"]],
-            "test": test}
-
-
 # -----------------------------------------------------------------------------
 # the pipeline
 
 def prepare_corpus(cfg: DataConfig) -> Corpus:
     """Fetch, extract, verify (once), parse and split; later calls only parse and reuse the split."""
     name = CorpusName(cfg.corpus).value  # the schema's enum: Hydra refused any other value
+    if name == CorpusName.manifest.value:
+        return prepare_manifest_corpus(cfg)
     # The synthetic corpus lives in its own folder so the two never mix, features included.
     root = Path(cfg.root) / name if name == "synthetic" else Path(cfg.root)
     corpus_dir, marker = root / "an4", root / "an4" / MARKER
@@ -370,7 +302,8 @@ def prepare_corpus(cfg: DataConfig) -> Corpus:
         checksum = f"known: {known}" if known else verify_content(name, tables)
         write_json(marker, {"archive": str(archive), "sha256": digest, "checksum": checksum})
     status = json.loads(marker.read_text())
-    splits = split_corpus(corpus_dir, tables["train"], tables["test"], cfg.val_fraction, cfg.split_seed)
+    splits = split_corpus(corpus_dir / f"splits-seed{cfg.split_seed}-val{cfg.val_fraction}.json", tables["train"],
+                          tables["test"], cfg.val_fraction, cfg.split_seed)
     summary = {
         "corpus": name,
         "root": str(root),
@@ -385,7 +318,7 @@ def prepare_corpus(cfg: DataConfig) -> Corpus:
         "normalized": {s: len(ids) for s, ids in normalized.items()},
         "normalized_ids": normalized,
     }
-    return Corpus(name=name, root=root, splits=splits, summary=summary)
+    return Corpus(name=name, root=root, splits=splits, summary=summary, read=read_utterance)
 
 
 # -----------------------------------------------------------------------------

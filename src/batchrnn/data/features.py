@@ -1,25 +1,30 @@
 """Spectrograms as deepspeech.pytorch computes them, cached once per split, and length-bucketed batches.
 
-Each (corpus, split, feature settings) is computed once and saved as one file, so epochs and later runs
-only torch.load it and do no signal processing.
+Each (corpus, split, feature settings) is computed once into one float32 file of (frames, F), written utterance by
+utterance, beside a JSON index of its utterances; runs memory-map it, so a corpus need not fit in memory.
 """
 import hashlib
 import json
+import os
 import random
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
 
+import numpy as np
 import torch
 import torchaudio
 
 from batchrnn.config import DataConfig
-from batchrnn.data.corpus import SAMPLE_RATE, Corpus, read_audio
+from batchrnn.data.base import SAMPLE_RATE, Corpus
 from batchrnn.errors import one_line
 from batchrnn.storage import atomic_write
 from batchrnn.data.text import encode
 from batchrnn.progress import progress_bar
 
-CACHE_VERSION = 1  # bump when the featurizer changes, so old caches are not reused
+CACHE_VERSION = 2  # bump when the featurizer or the cache's format changes, so old caches are not reused
 
 
 class Featurizer:
@@ -50,51 +55,106 @@ class Featurizer:
         return spec.T.contiguous()  # (T, F)
 
 
+class MappedFeatures(Sequence):
+    """Utterance i's (T, F) features as a view into one memory-mapped (frames, F) array: pages are read when a
+    batch touches them and the kernel may drop them again, so memory stays flat however large the corpus."""
+
+    def __init__(self, frames: torch.Tensor, lengths: list[int]):
+        self.frames = frames  # (sum of lengths, F)
+        self.lengths = lengths
+        self.offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.frames[int(self.offsets[i]) : int(self.offsets[i + 1])]  # (T, F), no copy
+
+
 @dataclass
 class FeatureSet:
     ids: list[str]
-    feats: list[torch.Tensor]  # each (T, F)
+    feats: Sequence[torch.Tensor]  # each (T, F): a list, or MappedFeatures from the cache
     texts: list[str]
     num_features: int
 
     def __len__(self) -> int:
         return len(self.ids)
 
-    @property
+    @cached_property
     def lengths(self) -> list[int]:
-        return [f.shape[0] for f in self.feats]
+        return list(self.feats.lengths) if isinstance(self.feats, MappedFeatures) else [f.shape[0] for f in self.feats]
 
 
-def cache_path(corpus: Corpus, split: str, cfg: DataConfig):
-    """<root>/features/<key>/<split>.pt; the key hashes the settings and the split's utterance ids."""
-    ids = [u.id for u in corpus.splits[split]]
+def cache_path(corpus: Corpus, split: str, cfg: DataConfig) -> Path:
+    """<root>/features/<key>/<split>.json, the index of <split>.f32 beside it; the key hashes the settings and the
+    split's utterance ids (and where a manifest gives them, each utterance's segment of its file)."""
+    utts = corpus.splits[split]
     settings = {"version": CACHE_VERSION, "sample_rate": SAMPLE_RATE, "window_ms": cfg.window_ms,
-                "hop_ms": cfg.hop_ms, "n_mels": cfg.n_mels, "ids": ids}
+                "hop_ms": cfg.hop_ms, "n_mels": cfg.n_mels, "ids": [u.id for u in utts]}
+    if any(u.offset or u.duration for u in utts):
+        settings["segments"] = [(u.offset, u.duration) for u in utts]
     key = hashlib.sha1(json.dumps(settings).encode()).hexdigest()[:12]
-    return corpus.root / "features" / key / f"{split}.pt"
+    return corpus.root / "features" / key / f"{split}.json"
+
+
+def frames_path(index: Path) -> Path:
+    """The raw float32 (frames, F) array that a cache index describes."""
+    return index.with_suffix(".f32")
+
+
+def map_features(index: Path, ids: list[str]) -> tuple[MappedFeatures, int]:
+    """The cached features of these utterances, memory-mapped, and their width; ValueError where the cache is not
+    theirs or not whole."""
+    meta = json.loads(index.read_text())
+    if meta["version"] != CACHE_VERSION:
+        raise ValueError(f"cache version {meta['version']}, expected {CACHE_VERSION}")
+    if meta["ids"] != ids:
+        raise ValueError("utterance ids differ from the split")
+    lengths, width = meta["lengths"], meta["num_features"]
+    if len(lengths) != len(ids) or min(lengths, default=1) < 1:
+        raise ValueError("lengths do not match the utterances")
+    numel, data = sum(lengths) * width, frames_path(index)
+    if os.path.getsize(data) != 4 * numel:
+        raise ValueError(f"{data.name} holds {os.path.getsize(data)} bytes, the index says {4 * numel}")
+    # shared=False maps the file privately: read-only use never copies a page, nor writes one back
+    flat = torch.from_file(str(data), shared=False, size=numel, dtype=torch.float32) if numel else torch.zeros(0)
+    return MappedFeatures(flat.view(-1, width), lengths), width
+
+
+def write_features(index: Path, corpus: Corpus, split: str, featurizer: Featurizer) -> None:
+    """Features of every utterance of the split appended one by one to <split>.f32 (never a whole split in
+    memory), then the index; each file is replaced whole (storage.atomic_write), the index last."""
+    utts, lengths = corpus.splits[split], []
+
+    def append(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            for u in progress_bar(utts, desc=f"features {corpus.name}/{split}"):
+                spec = featurizer(corpus.read(u))  # (T, F) float32, C-contiguous
+                f.write(spec.numpy().tobytes())
+                lengths.append(spec.shape[0])
+
+    index.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(frames_path(index), append)
+    meta = {"version": CACHE_VERSION, "num_features": featurizer.num_features, "ids": [u.id for u in utts],
+            "lengths": lengths}
+    atomic_write(index, lambda tmp: tmp.write_text(json.dumps(meta)))
 
 
 def load_features(corpus: Corpus, split: str, cfg: DataConfig) -> FeatureSet:
+    """The split's features, memory-mapped from its cache; computed into the cache first where there is none."""
     utts = corpus.splits[split]
-    path = cache_path(corpus, split, cfg)
-    if path.is_file():
+    ids, texts = [u.id for u in utts], [u.text for u in utts]
+    index, feats = cache_path(corpus, split, cfg), None
+    if index.is_file():
         try:
-            blob = torch.load(path, weights_only=True)
-            if blob["ids"] != [u.id for u in utts]:
-                raise ValueError("utterance ids differ from the split")
-            feats = list(torch.split(blob["feats"], blob["lengths"]))
-            return FeatureSet(blob["ids"], feats, blob["texts"], blob["num_features"])
+            feats, width = map_features(index, ids)
         except Exception as e:  # a torn or foreign file costs a recompute, never the run
-            warnings.warn(f"{path}: unreadable feature cache ({one_line(e)}); computing it again")
-    featurizer = Featurizer(cfg)
-    feats = [featurizer(read_audio(u.path)) for u in progress_bar(utts, desc=f"features {corpus.name}/{split}")]
-    fs = FeatureSet([u.id for u in utts], feats, [u.text for u in utts], featurizer.num_features)
-    # One concatenated tensor loads much faster than a thousand small ones.
-    blob = {"ids": fs.ids, "texts": fs.texts, "num_features": fs.num_features, "lengths": fs.lengths,
-            "feats": torch.cat(feats) if feats else torch.zeros(0, fs.num_features)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda tmp: torch.save(blob, tmp))
-    return fs
+            warnings.warn(f"{index}: unreadable feature cache ({one_line(e)}); computing it again")
+    if feats is None:
+        write_features(index, corpus, split, Featurizer(cfg))
+        feats, width = map_features(index, ids)
+    return FeatureSet(ids, feats, texts, width)
 
 
 def make_batches(lengths: list[int], batch_size: int, shuffle: bool, seed: int) -> list[list[int]]:

@@ -1,5 +1,6 @@
 """`python -m batchrnn.data`: prepare the corpus and, with --features, the feature cache that
-`python src/run.py experiment=PRESET` will read, composed from the same conf/ tree.
+`python src/run.py experiment=PRESET` will read, composed from the same conf/ tree; with --export-manifests,
+write its splits as JSON-lines manifests that data=manifest reads.
 
 It lives apart from data.py because it builds features, and features.py imports data.py.
 """
@@ -16,6 +17,7 @@ from batchrnn.config import ConfigError, CorpusName, DataConfig, register_config
 from batchrnn.validation import validate
 from batchrnn.data.corpus import DataError, prepare_corpus
 from batchrnn.data.features import Featurizer, cache_path, load_features
+from batchrnn.data.manifest import export_manifests
 
 CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 PRESETS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
@@ -54,9 +56,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--corpus", choices=[c.value for c in CorpusName], help="default: the preset's")
     p.add_argument("--val-fraction", type=float)
     p.add_argument("--split-seed", type=int)
+    for split in ("train", "val", "test"):
+        p.add_argument(f"--{split}", metavar="MANIFEST.jsonl", help=f"data.{split} of --corpus manifest")
+    p.add_argument("--export-manifests", metavar="DIR", type=Path,
+                   help="write the corpus's splits as DIR/train.jsonl, val.jsonl, test.jsonl (NeMo's JSON lines), "
+                        "to train from with data=manifest data.train=DIR/train.jsonl data.val=... data.test=...")
     args = p.parse_args(argv)
     run_cfg = compose_run_config(args.preset)
-    for key in ("archive", "mirrors", "root", "corpus", "val_fraction", "split_seed"):
+    for key in ("archive", "mirrors", "root", "corpus", "val_fraction", "split_seed", "train", "val", "test"):
         if getattr(args, key) is not None:  # a flag given beats the preset
             run_cfg.data[key] = getattr(args, key)
     try:
@@ -65,6 +72,8 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         corpus = prepare_corpus(cfg)
         summary = {**corpus.summary, "seconds": {"prepare": round(time.perf_counter() - t0, 1)}}
+        if args.export_manifests:
+            summary["exported"] = {s: str(path) for s, path in export_manifests(corpus, args.export_manifests).items()}
         if args.features:
             t0 = time.perf_counter()
             source = f"the {args.preset or run_cfg.study} preset"

@@ -136,14 +136,18 @@ def jobs(overrides: list[str], group: int = 0, cfg: DictConfig | None = None) ->
     params, study_dir = cfg.hydra.sweeper.params or {}, Path(cfg.hydra.sweep.dir).resolve()
     swept = [f"{key}={value}" for key, value in params.items()]
     out, plan = [], stages(overrides, cfg)
+    from batchrnn.data.corpus import DataError  # torch: once the study's own overrides are checked
+    from batchrnn.data.manifest import pin_content
+
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         for rank, (stage, args) in enumerate(plan):
             try:
                 for job in expand(swept + args):
                     cfg = compose(config_name="config", overrides=job)
                     validate(cfg)
+                    pin_content(cfg.data)  # the manifests' hash, which names the run as src/run.py names it
                     out.append(Job(stage, rank, variant_key(to_container(cfg)), job, cfg, study_dir, group))
-            except (HydraException, OmegaConfBaseException, ConfigError) as e:
+            except (HydraException, OmegaConfBaseException, ConfigError, DataError) as e:
                 print(f"error: {one_line(e)}", file=sys.stderr)
                 sys.exit(2)
     return out

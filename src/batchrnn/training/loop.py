@@ -16,7 +16,8 @@ from omegaconf import DictConfig
 
 from batchrnn.config import ConfigError, Schedule, to_container
 from batchrnn.validation import validate
-from batchrnn.data.corpus import corpus_changes, prepare_corpus
+from batchrnn.data.base import corpus_changes
+from batchrnn.data.corpus import prepare_corpus
 from batchrnn.training.device import machine, peak_memory_mb, pick_device, reset_peak_memory, synchronize, uses_bf16
 from batchrnn.data.features import FeatureSet, collate, load_features, make_batches
 from batchrnn.metrics import error_rates

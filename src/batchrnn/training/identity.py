@@ -13,7 +13,7 @@ from batchrnn.config import Config, Impl
 # Where the data comes from, where things are written, how fast, and the study's bookkeeping: none of
 # these changes what a run computes, so a run restarted with another of them is the same run.
 NEUTRAL = ("study", "protocol", "logger", "data.archive", "data.mirrors", "data.root", "train.device",
-           "train.threads", "train.rerun")
+           "train.threads", "train.rerun", "train.dist_timeout_s")
 SEED, LR = "seed", "train.lr"
 AUGMENT = "train.spec_augment.enabled"  # tuned beside the rate where protocol.tune_spec_augment is set
 

@@ -67,14 +67,19 @@ def run(cfg: DictConfig) -> float:
         log.error("error: %s", e)
         record_stop(str(e))
         sys.exit(2)
-    if cfg.train.threads == 0:  # the job's share of the cores, recorded in results.json
-        cfg.train.threads = job_threads(HydraConfig.get().launcher, len(os.sched_getaffinity(0)))
-    from batchrnn.data.corpus import DataError  # after validation: a bad value fails before torch loads
+    from batchrnn.training import distributed  # after validation: a bad value fails before torch loads
+
+    distributed.from_submitit()  # hydra.launcher.tasks_per_node > 1: the ranks from submitit's job environment
+    if cfg.train.threads == 0:  # the job's share of the cores (a rank's, with several), recorded in results.json
+        cfg.train.threads = job_threads(HydraConfig.get().launcher, len(os.sched_getaffinity(0)),
+                                        distributed.local_world_size())
+    from batchrnn.data.corpus import DataError
     from batchrnn.data.manifest import pin_content
     from batchrnn.study.protocol import ProtocolError, nothing_to_widen, stage_settings
     from batchrnn.training.identity import run_name
     from batchrnn.training.rundir import RunError, RunFolder
     from batchrnn.training.loop import TrainingDiverged, train
+    from batchrnn.training.distributed import DistributedError
 
     try:
         pin_content(cfg.data)  # data=manifest: the manifests' content is part of the run's identity
@@ -102,14 +107,15 @@ def run(cfg: DictConfig) -> float:
         return math.nan
     with contextlib.ExitStack() as held:
         try:
-            held.enter_context(folder.lock())  # a second process on this run is refused before its log is touched
-            held.enter_context(folder.logging())
+            if distributed.lead():  # a second process on this run is refused before its log is touched
+                held.enter_context(folder.lock())
+            held.enter_context(folder.logging(distributed.rank()))  # run.log, and rank<N>.log of every other rank
             results = train(cfg, folder.path, hydra_cfg.runtime.choices.get("experiment"))
         except (ConfigError, DataError) as e:  # every later job of a sweep would meet it too: stop here
             log.error("error: %s", e)
             record_stop(str(e))
             sys.exit(2)
-        except (RunError, TrainingDiverged) as e:  # this run's own trouble: a sweep goes on with the next job
+        except (RunError, TrainingDiverged, DistributedError) as e:  # this run's own trouble: a sweep goes on
             log.error("error: %s: %s", folder.path, e)
             code = DIVERGED if isinstance(e, TrainingDiverged) else 2
             if hydra_cfg.mode is not RunMode.MULTIRUN:

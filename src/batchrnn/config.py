@@ -214,6 +214,10 @@ class TrainConfig:
     # A step with a non-finite loss or gradient is skipped; this many in a row means the run has
     # diverged (lr too high, broken features), and going on would only burn hours of compute.
     max_skipped_steps: int = 20
+    # Data-parallel runs (torchrun, or SLURM tasks): how long a rank waits in a collective for the others before
+    # every rank stops with an error, rather than hanging when one has stopped answering. Long enough for what rank
+    # 0 does alone between two collectives (checkpoints, W&B's start, up to 30 s).
+    dist_timeout_s: float = 600.0
 
 
 @dataclass

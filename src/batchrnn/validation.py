@@ -17,6 +17,7 @@ def validate(cfg: Config | DictConfig) -> None:
         "train.lr": t.lr,
         "train.max_grad_norm": t.max_grad_norm,
         "train.max_skipped_steps": t.max_skipped_steps,
+        "train.dist_timeout_s": t.dist_timeout_s,
         "data.window_ms": d.window_ms,
         "data.hop_ms": d.hop_ms,
     }

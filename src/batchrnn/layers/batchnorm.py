@@ -29,8 +29,8 @@ class ProjectedBNLayer(ProjectedLayer):
             with torch.autocast(x.device.type, enabled=False):
                 xf, wf = full_precision(x.flatten(0, 1)), full_precision(w)  # (T*N, D), zero on padding
                 mf = full_precision(mask.flatten(0, 1))  # (T*N, 1)
-                mean, var = projected_moments(xf, wf, mf, cheaper_route(*xf.shape, *wf.shape[:2]), dtype)
-                stats = (mean.flatten(), var.flatten(), mf.sum())
+                mean, var, count = projected_moments(xf, wf, mf, cheaper_route(*xf.shape, *wf.shape[:2]), dtype)
+                stats = (mean.flatten(), var.flatten(), count)
         else:
             stats = (None, None, 0)
         scale, shift = self.bn.fold(*stats)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from batchrnn.layers.base import full_precision
+from batchrnn.training.distributed import all_sum
 
 
 def masked_moments(x: torch.Tensor, mask: torch.Tensor, channel_dim: int):
@@ -14,8 +15,10 @@ def masked_moments(x: torch.Tensor, mask: torch.Tensor, channel_dim: int):
     x, mask = full_precision(x), full_precision(mask)  # statistics in float32 even under autocast
     dims = [d for d in range(x.dim()) if d != channel_dim % x.dim()]
     count = mask.sum() * math.prod(x.shape[d] for d in dims if mask.shape[d] == 1)
-    mean = (x * mask).sum(dims, keepdim=True) / count
-    var = ((x - mean).square() * mask).sum(dims, keepdim=True) / count
+    # data-parallel: the count and sum of every rank first, then the squares around that shared mean
+    total, count = all_sum((x * mask).sum(dims, keepdim=True), count)
+    mean = total / count
+    (var,) = all_sum(((x - mean).square() * mask).sum(dims, keepdim=True) / count)
     return mean.flatten(), var.flatten(), count
 
 
@@ -76,21 +79,23 @@ def cheaper_route(frames: int, d: int, copies: int, width: int, grams: int = 1, 
 
 def projected_moments(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, route: str,
                       dtype: torch.dtype | None = None):
-    """Mean and variance of z = W x over valid frames, each (copies, width); x (frames, D) is zero on
+    """Mean and variance of z = W x over valid frames, each (copies, width), and the count; x (frames, D) is zero on
     padding, mask (frames, 1), w (copies, width, D). x is centred before its second moment: in float32,
     E[z^2] - E[z]^2 loses what features with a large mean carry. Both routes are exact; they differ
     only in cost. dtype: that of the per-frame products (default x's): with bf16, the gram route's x^T x
     (accumulated in float32, rounded to bf16 once) or the direct route's W x; the mean, the count, the
     direct route's sum of squares and the batch-level products stay in x's dtype."""
-    count = mask.sum()
-    mean_x = x.sum(0) / count
+    total, count = all_sum(x.sum(0), mask.sum())  # data-parallel: every rank's frames, then the shared mean
+    mean_x = total / count
     xc = (x - mean_x) * mask  # (frames, D), still zero on padding
     xp = xc.to(dtype or xc.dtype)
     if route == "gram":
         var = ((w @ (Gram.apply(xp).to(x.dtype) / count)) * w).sum(-1)
     else:
         var = torch.einsum("fd,cwd->fcw", xp, w.to(xp.dtype)).to(x.dtype).square().sum(0) / count
-    return w @ mean_x, var
+    # each rank's part of the variance, (copies, width) whichever route it took (the cheaper one for its frames)
+    (var,) = all_sum(var)
+    return w @ mean_x, var, count
 
 
 def track_moments(running_mean: torch.Tensor, running_var: torch.Tensor, mean: torch.Tensor,

@@ -159,8 +159,9 @@ class Pool:
     (finished, nothing to widen, no rate to take) is settled here without a process; the others run as
     `src/run.py` with the job's overrides. Each study folder's report is made once its jobs have ended."""
 
-    def __init__(self, plan: list[Job], slots: int, threads: int, report=None):
+    def __init__(self, plan: list[Job], slots: int, threads: int, report=None, ranks: int = 1):
         self.plan, self.slots, self.threads, self.report = plan, slots, threads, report or (lambda study_dir: 0)
+        self.ranks = ranks  # data-parallel processes per run (--ranks): each run started by torchrun
         self.pending, self.running, self.ended = list(plan), {}, set()  # running: Popen -> job; ended: ids
         self.earlier = {id(job): [id(o) for o in plan if job.waits_for(o)] for job in plan}
         self.status, self.trained, self.settled, self.stopped = 0, 0, 0, None
@@ -193,9 +194,10 @@ class Pool:
 
     def command(self, job: Job) -> list[str]:
         threads = [f"train.threads={self.threads}"] if self.threads and not job.cfg.train.threads else []
+        ranks = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.ranks}"] * (self.ranks > 1)
         # the child resolves the study's folder from its own overrides, as a sweep's job would
-        return [sys.executable, str(ROOT / "src" / "run.py"), *job.overrides, "hydra.run.dir=${hydra.sweep.dir}",
-                *threads]
+        return [sys.executable, *ranks, str(ROOT / "src" / "run.py"), *job.overrides,
+                "hydra.run.dir=${hydra.sweep.dir}", *threads]
 
     def start(self, job: Job) -> None:
         print(f"study: stage {job.stage}: src/run.py {' '.join(job.overrides)}", flush=True)
@@ -312,7 +314,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides and sweeps, as for src/run.py -m; `then` "
                         "between two studies' overrides runs both in one schedule")
     parser.add_argument("--wandb", action="store_true", help="log each report to W&B as well")
-    args = parser.parse_args(argv)
+    parser.add_argument("--ranks", type=int, default=1, help="data-parallel processes per run on this machine, each "
+                        "run started by torchrun (under hydra/launcher=slurm: hydra.launcher.tasks_per_node instead)")
+    args = parser.parse_intermixed_args(argv)
     studies = split_studies(args.overrides)
     cfgs = [composed(study) for study in studies]  # every study's overrides refused before any run, if bad
     cores, launcher = len(os.sched_getaffinity(0)), cfgs[0].hydra.launcher
@@ -321,6 +325,10 @@ def main(argv: list[str] | None = None) -> None:
               "give each the same, or run them as separate commands", file=sys.stderr)
         sys.exit(2)
     slots = jobs_at_once(launcher, cores)
+    if args.ranks > 1 and slots is None:
+        print("error: --ranks starts each run with torchrun on this machine; under a cluster launcher give "
+              "hydra.launcher.tasks_per_node=N and hydra.launcher.gpus_per_node=N instead", file=sys.stderr)
+        sys.exit(2)
     if slots is None:  # a cluster launcher: each study's stages as job arrays, one study after the other
         status = 0
         for study, cfg in zip(studies, cfgs):
@@ -330,7 +338,8 @@ def main(argv: list[str] | None = None) -> None:
             status = worst(status, code)
         sys.exit(status)
     plan = [job for i, (study, cfg) in enumerate(zip(studies, cfgs)) for job in jobs(study, i, cfg)]
-    sys.exit(Pool(plan, slots, job_threads(launcher, cores), lambda d: report(d, args.wandb)).run())
+    sys.exit(Pool(plan, slots, job_threads(launcher, cores, args.ranks), lambda d: report(d, args.wandb),
+                  args.ranks).run())
 
 
 if __name__ == "__main__":

@@ -29,15 +29,19 @@ def jobs_at_once(launcher: DictConfig, cores: int) -> int | None:
     return 1 if target.endswith("BasicLauncher") else None
 
 
-def job_threads(launcher: DictConfig, cores: int) -> int:
-    """torch threads for one job when train.threads=0: the cores shared among the jobs that run at once.
+def job_threads(launcher: DictConfig, cores: int, ranks: int = 1) -> int:
+    """torch threads for one job when train.threads=0: the cores shared among the jobs that run at once, and
+    among a data-parallel job's ranks on this machine (`ranks`, torchrun's LOCAL_WORLD_SIZE).
 
-    joblib runs n_jobs at once, so each gets cores // n_jobs; submitit gets the cpus_per_task it asked for;
-    the basic launcher runs one job at a time and keeps torch's default (0).
+    joblib runs n_jobs at once, so each gets cores // n_jobs; submitit gets the cpus_per_task it asked for (per
+    task, so per rank); the basic launcher runs one job at a time and keeps torch's default (0), or with several
+    ranks gives each cores // ranks.
     """
     if str(launcher.get("_target_", "")).endswith("JoblibLauncher"):
-        return max(1, cores // jobs_at_once(launcher, cores))
-    return launcher.get("cpus_per_task") or 0
+        return max(1, cores // jobs_at_once(launcher, cores) // ranks)
+    if launcher.get("cpus_per_task"):
+        return launcher.cpus_per_task
+    return max(1, cores // ranks) if ranks > 1 else 0
 
 
 def record_failed_job(status: int) -> None:

@@ -5,4 +5,5 @@
 - identity.py: what a run is, from its resolved settings: its folder's name, and which runs are seeds of one.
 - checkpoint.py: best.pt, and rebuilding its model (load_model).
 - device.py: the device, peak memory and bf16.
+- distributed.py: data-parallel ranks (torchrun, SLURM tasks) that compute what one process computes.
 """

@@ -3,6 +3,7 @@
 `train(cfg, folder)` runs, resumes from the last complete epoch, or returns a finished run's results.
 The run folder's files are batchrnn.training.rundir's business; this module is the loop and what it measures.
 """
+import contextlib
 import logging
 import math
 import random
@@ -23,9 +24,10 @@ from batchrnn.data.features import FeatureSet, collate, load_features, make_batc
 from batchrnn.metrics import error_rates
 from batchrnn.model import DeepSpeech2
 from batchrnn.training.identity import settings, variant_label
-from batchrnn.training.rundir import CHECKPOINT, RESULTS, RunFolder
+from batchrnn.training import distributed
+from batchrnn.training.rundir import CHECKPOINT, RESULTS, RunError, RunFolder
 from batchrnn.data.text import LABELS, greedy_decode
-from batchrnn.tracking.tracker import start_tracking
+from batchrnn.tracking.tracker import Tracker, start_tracking
 from batchrnn.progress import progress_bar
 from batchrnn.training.augment import SpecAugment
 
@@ -103,16 +105,18 @@ class Run:
         t = cfg.train
         if t.threads > 0:
             torch.set_num_threads(t.threads)
-        self.cfg, self.device = cfg, pick_device(t.device)
+        self.cfg, self.device = cfg, distributed.start(pick_device(t.device), t.dist_timeout_s)
         self.bf16 = uses_bf16(t, self.device)
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-        corpus = prepare_corpus(cfg.data)
+        with distributed.one_at_a_time(cfg.data.root):  # several ranks: the first prepares, the others read
+            corpus = prepare_corpus(cfg.data)
+            self.sets = {s: load_features(corpus, s, cfg.data) for s in ("train", "val", "test")}
         self.corpus_summary = corpus.summary
         for line in corpus_changes(corpus.summary):  # the same counts are in results.json under "corpus"
             log.warning("%s", line)
-        self.sets = {s: load_features(corpus, s, cfg.data) for s in ("train", "val", "test")}
         self.model = DeepSpeech2(cfg.model, self.sets["train"].num_features, len(LABELS)).to(self.device)
+        self.replicated = distributed.wrap(self.model, self.device)  # what training steps call: DDP with ranks
         self.params = sum(p.numel() for p in self.model.parameters())
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
         self.ctc = torch.nn.CTCLoss(blank=0, zero_infinity=True)
@@ -138,7 +142,7 @@ class Run:
         return t.lr * warmup * before.lr_scale(t)
 
     def loss(self, x, x_lens, y, y_lens):
-        return ctc_loss(self.model, self.ctc, x, x_lens, y, y_lens, self.bf16)
+        return ctc_loss(self.replicated, self.ctc, x, x_lens, y, y_lens, self.bf16)
 
 
 def ctc_loss(model, ctc, x, x_lens, y, y_lens, bf16: bool):
@@ -159,33 +163,47 @@ def ctc_feasible(model: DeepSpeech2, fs: FeatureSet) -> list[bool]:
 @torch.no_grad()
 def score(model, fs: FeatureSet, batch_size: int, device: torch.device, bf16: bool = False,
           progress: bool = False) -> dict:
-    """Loss, WER and CER of a feature set with greedy decoding, and each utterance's hypothesis."""
+    """Loss, WER and CER of a feature set with greedy decoding, and each utterance's hypothesis. With several
+    ranks each scores its share of every batch (BatchNorm's running moments are equal on every rank), and the
+    loss sums and hypotheses are gathered: the same figures as one process, at 1/N of the time."""
     model.eval()
     ctc = torch.nn.CTCLoss(blank=0, zero_infinity=True)
-    ids, refs, hyps, total = [], [], [], 0.0
+    found, total = {}, 0.0  # found: the utterance's index -> its hypothesis
     batches = make_batches(fs.lengths, batch_size, shuffle=False, seed=0)
     for indices in progress_bar(batches, desc="scoring", unit="batch", disable=not progress):
-        x, x_lens, y, y_lens = (b.to(device) for b in collate(fs, indices))
+        if not (share := distributed.share(indices)):
+            continue
+        x, x_lens, y, y_lens = (b.to(device) for b in collate(fs, share))
         loss, log_probs, out_lens = ctc_loss(model, ctc, x, x_lens, y, y_lens, bf16)
-        total += loss.item() * len(indices)
-        hyps += greedy_decode(log_probs, out_lens)
-        refs += [fs.texts[i] for i in indices]
-        ids += [fs.ids[i] for i in indices]
+        total += loss.item() * len(share)
+        found |= dict(zip(share, greedy_decode(log_probs, out_lens)))
+    found, total = distributed.merged(found), distributed.total(total)
+    order = [i for indices in batches for i in indices]
+    ids, refs, hyps = [fs.ids[i] for i in order], [fs.texts[i] for i in order], [found[i] for i in order]
     wer, cer = error_rates(refs, hyps)
     return {"loss": total / len(fs), "wer": wer, "cer": cer,
             "utterances": [{"id": i, "ref": r, "hyp": h} for i, r, h in zip(ids, refs, hyps)]}
 
 
 def train(cfg: DictConfig, out_dir: Path, preset: str | None = None) -> dict:
-    """Run (or resume, or return if finished) one training run in out_dir; preset names the experiment."""
+    """Run (or resume, or return if finished) one training run in out_dir; preset names the experiment.
+    Under torchrun (or SLURM tasks) every rank calls it; rank 0 alone holds the folder and writes its files."""
     validate(cfg)
+    distributed.check(cfg)
     folder = RunFolder(out_dir)
-    with folder.lock():  # a second process on the same run is refused here (src/run.py takes it before its log)
-        return train_in(cfg, folder, preset)
+    # a second process on the same run is refused here (src/run.py takes the lock before its log)
+    try:
+        distributed.start(pick_device(cfg.train.device), cfg.train.dist_timeout_s)
+        with folder.lock() if distributed.lead() else contextlib.nullcontext():
+            return train_in(cfg, folder, preset)
+    except Exception as e:  # a rank that stopped answering: one clear error on the others, not a traceback
+        if (stopped := distributed.unanswered(e, cfg.train.dist_timeout_s)) is not None:
+            raise stopped from e
+        raise
 
 
-def train_in(cfg: DictConfig, folder: RunFolder, preset: str | None) -> dict:
-    """train()'s work, in a run folder this process holds."""
+def opening(cfg: DictConfig, folder: RunFolder, preset: str | None) -> dict | None:
+    """The finished run's results, or None after making the folder ready to train (rank 0's part of the start)."""
     config, t = to_container(cfg), cfg.train
     if not t.rerun:
         if cfg.protocol.reuse_from:
@@ -195,10 +213,25 @@ def train_in(cfg: DictConfig, folder: RunFolder, preset: str | None) -> dict:
             log.info("%s is finished; train.rerun=true runs it again", folder.path)
             return done
     folder.start(t.rerun)
+    return None
+
+
+def train_in(cfg: DictConfig, folder: RunFolder, preset: str | None) -> dict:
+    """train()'s work, in a run folder this process holds (rank 0) or follows (the other ranks)."""
+    config, t, lead = to_container(cfg), cfg.train, distributed.lead()
+    try:
+        outcome = opening(cfg, folder, preset) if lead else None
+    except RunError as e:
+        outcome = e
+    outcome = distributed.broadcast(outcome)  # the other ranks finish, stop or train as rank 0 does
+    if isinstance(outcome, RunError):
+        raise outcome
+    if outcome is not None:
+        return outcome
     run = Run(cfg)
     progress = Progress(**(folder.resume(run.model, run.opt, run.device) or {}))
     name = f"{variant_label(settings(config))}-s{cfg.seed}"
-    tracker = start_tracking(cfg.logger, folder.path, name, cfg.study, config)
+    tracker = start_tracking(cfg.logger, folder.path, name, cfg.study, config) if lead else Tracker()
     log.info("%s: %d parameters on %s%s, %d/%d/%d utterances (train/val/test), tracking %s, folder %s", name,
              run.params, run.device, " (bf16)" * run.bf16, len(run.train_indices), len(run.sets["val"]),
              len(run.sets["test"]), tracker.mode, folder.path)
@@ -216,15 +249,17 @@ def train_in(cfg: DictConfig, folder: RunFolder, preset: str | None) -> dict:
             val = score(run.model, run.sets["val"], t.batch_size, run.device, run.bf16)
             row = {"epoch": progress.epoch, "train_loss": epoch["loss"], "val_loss": val["loss"],
                    "val_wer": val["wer"], "val_cer": val["cer"], "epoch_time_s": seconds,
-                   "peak_mem_mb": peak_memory_mb(run.device),  # of this epoch's training, before validation
+                   # of this epoch's training, before validation; with several ranks, the largest rank's
+                   "peak_mem_mb": distributed.largest(peak_memory_mb(run.device)),
                    "utt_per_s": epoch["utterances"] / seconds, "lr": run.opt.param_groups[0]["lr"],
                    "skipped_steps": progress.skipped_steps,
                    "grad_norm_mean": epoch["grad_norm_mean"], "grad_norm_max": epoch["grad_norm_max"]}
             progress.history.append(row)
-            if progress.judge(val["wer"], val["loss"], t):
+            if progress.judge(val["wer"], val["loss"], t) and lead:
                 folder.save_best(run.model, config, epoch=progress.epoch, val_wer=val["wer"])
-            folder.save_checkpoint(run.model, run.opt, asdict(progress))
-            folder.write_results(summary("running"))
+            if lead:
+                folder.save_checkpoint(run.model, run.opt, asdict(progress))
+                folder.write_results(summary("running"))
             tracker.log_epoch(row)
             log.info("epoch %d: train loss %.3f, val loss %.3f, val WER %.1f%%, CER %.1f%%, %.1f s, %.0f MB, "
                      "grad norm %.2f (max %.2f)", row["epoch"], row["train_loss"], row["val_loss"],
@@ -235,14 +270,17 @@ def train_in(cfg: DictConfig, folder: RunFolder, preset: str | None) -> dict:
                          progress.epoch, t.plateau_wait, progress.lr_scale(t), progress.lr_cuts)
     except TrainingDiverged as e:
         # The epochs are those of the last complete one; the status and error say why it stopped.
-        folder.write_results(summary("diverged") | {"error": str(e)})
+        if lead:
+            folder.write_results(summary("diverged") | {"error": str(e)})
         tracker.finish()  # a sweep goes on with its next job, which starts its own W&B run
         raise
+    distributed.barrier()  # rank 0 has written best.pt
     run.model.load_state_dict(folder.best_state(run.device))
     test = score(run.model, run.sets["test"], t.batch_size, run.device, run.bf16)
     results = summary("finished") | {"test_wer": test["wer"], "test_cer": test["cer"], "test_loss": test["loss"],
                                      "test_utterances": test["utterances"]}
-    folder.write_results(results)
+    if lead:
+        folder.write_results(results)
     # flat columns a W&B runs table can sort and group by, beside the config
     tracker.summary({k: results[k] for k in ("rnn", "bn", "impl", "seed", "test_wer", "test_cer", "best_val_wer",
                                               "best_epoch", "epoch_time_s", "peak_mem_mb", "params", "stop")})
@@ -251,6 +289,29 @@ def train_in(cfg: DictConfig, folder: RunFolder, preset: str | None) -> dict:
              100 * test["wer"], 100 * test["cer"], progress.best_epoch, progress.epoch, results["stop"],
              folder.path)
     return results
+
+
+def gradient(run: Run, indices: list[int], epoch: int) -> tuple[float, torch.Tensor | None]:
+    """The mean loss's gradient over a batch of training utterances, in the parameters' .grad (summed over the ranks,
+    each of which takes its share); returns the batch's loss summed over its utterances and the pre-clip gradient
+    norm, None where the loss or the gradient is not finite (on any rank: every rank skips the same steps)."""
+    t, fs = run.cfg.train, run.sets["train"]
+    # With several ranks this rank's share of the batch; a rank with none runs a stand-in that counts nothing,
+    # so that it takes part in every collective (distributed.ghost)
+    mine = distributed.share(indices)
+    used = mine or indices[:1]
+    x, x_lens, y, y_lens = (b.to(run.device, non_blocking=True) for b in collate(fs, used))
+    if run.augment is not None:
+        x = run.augment(x, x_lens, [fs.ids[i] for i in used], epoch)
+    with distributed.ghost(not mine):
+        loss, _, _ = run.loss(x, x_lens, y, y_lens)
+    summed, finite = distributed.batch_loss(loss, len(mine))  # one all-reduce: the sum, and whether to skip
+    run.opt.zero_grad(set_to_none=True)
+    if not finite:
+        return summed, None
+    distributed.share_loss(loss, len(mine), len(indices)).backward()  # DDP all-reduces the gradients
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), t.max_grad_norm)  # the pre-clip norm
+    return summed, grad_norm if distributed.agree(torch.isfinite(grad_norm)) else None
 
 
 def train_epoch(run: Run, progress: Progress, tracker) -> dict:
@@ -268,17 +329,10 @@ def train_epoch(run: Run, progress: Progress, tracker) -> dict:
         lr = run.lr_at(progress)
         for group in run.opt.param_groups:
             group["lr"] = lr
-        x, x_lens, y, y_lens = (b.to(run.device, non_blocking=True) for b in collate(fs, indices))
-        if run.augment is not None:
-            x = run.augment(x, x_lens, [fs.ids[i] for i in indices], progress.epoch)
         buffers = [b.clone() for b in model.buffers()]  # BN running averages: a skipped step restores them
-        loss, _, _ = run.loss(x, x_lens, y, y_lens)
-        run.opt.zero_grad(set_to_none=True)
-        grad_norm = torch.tensor(math.nan)
-        if torch.isfinite(loss):
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)  # the pre-clip norm
-        if not torch.isfinite(loss) or not torch.isfinite(grad_norm):
+        summed, grad_norm = gradient(run, indices, progress.epoch)
+        finite = grad_norm is not None
+        if not finite:
             # A non-finite step would poison AdamW's moments for good: drop it, count it, and stop the run
             # when they keep coming, since the model has then diverged.
             for b, saved in zip(model.buffers(), buffers):
@@ -296,11 +350,11 @@ def train_epoch(run: Run, progress: Progress, tracker) -> dict:
         run.opt.step()
         progress.step += 1
         progress.skipped_in_a_row = 0
-        total += loss.item() * len(indices)
+        total += summed
         count += len(indices)
         norms.append(grad_norm.item())
-        tracker.log_step(progress.step, {"loss": loss.item(), "grad_norm": norms[-1], "lr": lr})
-        bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+        tracker.log_step(progress.step, {"loss": summed / len(indices), "grad_norm": norms[-1], "lr": lr})
+        bar.set_postfix(loss=f"{summed / len(indices):.3f}", refresh=False)
     return {"loss": total / count if count else math.nan, "utterances": count,
             "grad_norm_mean": sum(norms) / len(norms) if norms else math.nan,
             "grad_norm_max": max(norms, default=math.nan)}
@@ -327,6 +381,8 @@ def results_of(cfg: DictConfig, preset: str | None, run: Run, progress: Progress
         "peak_mem_mb": max((r["peak_mem_mb"] for r in progress.history), default=None),
         "params": run.params, "device": run.device.type, "machine": machine(run.device), "bf16": run.bf16,
         "torch_version": torch.__version__, "threads": torch.get_num_threads(),  # train.threads 0: torch's default
+        # data-parallel ranks, each with a share of every batch (not identity: N ranks train the same run)
+        "world_size": distributed.world_size(),
         "recurrence_kernel": run.model.rnns[0].recurrence_kernel(run.device),
         "skipped_steps": progress.skipped_steps, "ctc_skipped_utterances": run.ctc_skipped,
         "corpus": run.corpus_summary,

@@ -189,9 +189,10 @@ class RunFolder:
             raise RunError(f"{e}; or delete {CHECKPOINT} and {BEST} in that folder to train this run afresh") from e
 
     @contextmanager
-    def logging(self):
-        """The run's own log file beside its results, while the run lasts (Hydra's log is the terminal's)."""
-        handler = logging.FileHandler(self.file(LOG))
+    def logging(self, rank: int = 0):
+        """The run's own log file beside its results, while the run lasts (Hydra's log is the terminal's); with
+        several ranks, rank 0's is run.log and each other rank's rank<N>.log."""
+        handler = logging.FileHandler(self.file(LOG if rank == 0 else f"rank{rank}.log"))
         handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
         root = logging.getLogger()
         root.addHandler(handler)

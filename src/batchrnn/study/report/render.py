@@ -82,6 +82,10 @@ def header(summary: Summary) -> list[str]:
                      "(two 1-thread jobs at once each take about 1.5x a 2-thread job's epoch, experiments/threads.md), "
                      "so time ratios between runs of different thread counts mix the two; `make bench` measures the "
                      "variants' cost in one run.")
+    if any(n > 1 for n in summary.ranks):
+        counts = "; ".join(f"{runs} runs on {n} rank{'s' * (n > 1)}" for n, runs in summary.ranks.items())
+        lines.append(f"- Data-parallel: {counts}. Peak memory is per rank (the largest rank's), not the sum over "
+                     "ranks; a run's epoch time is that of all its ranks together.")
     if summary.stopped:
         lines.append(f"- Stopped (nothing written for a while, so no process owns them): {', '.join(summary.stopped)}")
     if summary.duplicates:
@@ -365,7 +369,7 @@ def as_json(summary: Summary, plots: list[str]) -> dict:
     """report.json: the summary less the runs themselves (they are the results.json files), strict JSON."""
     return ready({
         "sweep_dir": summary.sweep_dir, "study": summary.study, "preset": summary.preset, "devices": summary.devices,
-        "machines": summary.machines, "threads": summary.threads,
+        "machines": summary.machines, "threads": summary.threads, "ranks": summary.ranks,
         "torch": summary.torch, "columns": summary.columns, **summary.counts, "skipped": summary.unreadable,
         "stopped_runs": summary.stopped,
         "duplicates": summary.duplicates, "protocol": summary.protocol, "tuning": summary.tuning,

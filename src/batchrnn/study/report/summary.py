@@ -52,6 +52,7 @@ class Summary:
     machines: list[str]  # what ran the epochs; time ratios across several compare machines as well as variants
     # torch threads per run -> runs: two 1-thread jobs at once each run slower than one 2-thread job
     threads: dict[str, int]
+    ranks: dict[int, int]  # data-parallel ranks per run (results.json's world_size, 1 before it was recorded) -> runs
     torch: str
     counts: dict[str, int]  # runs by status: finished, running, stopped (no live owner), diverged
     unreadable: list[str]  # results.json paths that could not be read
@@ -126,6 +127,7 @@ def build(sweep_dir: Path, now: float | None = None, only: dict[str, list[str]] 
         torch=distinct(kept, "torch_version"),
         threads=dict(sorted(Counter(thread_count(r) for r in kept).items(),
                             key=lambda kv: (not kv[0].isdigit(), len(kv[0]), kv[0]))),
+        ranks=dict(sorted(Counter(r.get("world_size", 1) for r in kept).items())),
         counts={s: counts[s] for s in ("finished", "running", "stopped", "diverged")},
         unreadable=[str(p) for p in unreadable], duplicates=duplicates, protocol=protocol,
         stopped=[run["path"] for group in runs.values() for run in group if run["status"] == "stopped"],

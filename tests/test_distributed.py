@@ -92,31 +92,58 @@ def state(path: Path) -> dict:
     return torch.load(path / CHECKPOINT, weights_only=False)["model"]
 
 
+class Nudged(DeepSpeech2):
+    """DeepSpeech2 with the first conv's bias (REDUNDANT: BatchNorm takes it away) moved by 0.01, a few of AdamW's
+    steps at the smoke rate: what 2 ranks do to it, whose rounding-level gradient they sum in another order. In real
+    arithmetic it changes nothing; one process trained from it shows how far a difference of rounding carries."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        with torch.no_grad():
+            self.front_end.layers[0].bias.add_(0.01)
+
+
 @pytest.mark.parametrize("overrides", [[f"model.bn={bn}"] for bn in VARIANTS] + [AUGMENT],
                          ids=VARIANTS + ["seqwise-specaugment"])
-def test_two_ranks_train_what_one_process_trains(two_ranks, smoke_root, tmp_path, overrides):
+def test_two_ranks_train_what_one_process_trains(two_ranks, smoke_root, tmp_path, overrides, monkeypatch):
     cfg = config(f"data.root={smoke_root}", "train.epochs=3", *overrides)
     name = run_name(to_container(cfg))
     one = train(cfg, tmp_path / name)
+    # 2 ranks sum every gradient in another order than one process: a difference at the level of rounding. Where
+    # the smoke trajectory is sensitive to that (on an Intel Xeon, gru-none's first-epoch loss moved by 7e-5
+    # relative, one process against itself with the redundant bias nudged, and its weights by up to 5e-3 after 3
+    # epochs, 2 ranks against one process), the nudged process says how far apart the two may end; elsewhere the
+    # bounds below are float rounding's.
+    with monkeypatch.context() as m:
+        m.setattr("batchrnn.training.loop.DeepSpeech2", Nudged)
+        nudged = train(cfg, tmp_path / "nudged" / name)
     two_dir = two_ranks / name  # the same folder name: N ranks train the same run
     two = json.loads((two_dir / RESULTS).read_text())
     assert (two["status"], two["world_size"], one["world_size"]) == ("finished", 2, 1)
-    assert [e["train_loss"] for e in two["epochs"]] == pytest.approx([e["train_loss"] for e in one["epochs"]], rel=1e-3)
-    assert [e["val_loss"] for e in two["epochs"]] == pytest.approx([e["val_loss"] for e in one["epochs"]], rel=1e-2)
+
+    def close(key: str, rel: float):  # within rel, or 3x how far the nudge moved one process
+        spread = [abs(a[key] - b[key]) / abs(a[key]) for a, b in zip(one["epochs"], nudged["epochs"])]
+        return lambda found: [abs(f[key] - e[key]) <= (rel + 3 * s) * abs(e[key])
+                              for f, e, s in zip(found, one["epochs"], spread)]
+
+    assert all(close("train_loss", 1e-3)(two["epochs"])), [e["train_loss"] for e in two["epochs"]]
+    assert all(close("val_loss", 1e-2)(two["epochs"])), [e["val_loss"] for e in two["epochs"]]
     assert [u["id"] for u in two["test_utterances"]] == [u["id"] for u in one["test_utterances"]]
     # rank 0 alone wrote the run's files; rank 1 its log
     assert sorted(p.name for p in two_dir.iterdir()) == sorted([".lock", BEST, CHECKPOINT, RESULTS, LOG, "rank1.log"])
     assert "epoch 3:" in (two_dir / "rank1.log").read_text()
     # The models after 3 epochs: equal but for the redundant conv bias (REDUNDANT); with it (and the running mean
     # that follows it) taken from one process, the 2-rank model scores validation as one process's does.
-    mine, theirs = state(tmp_path / name), state(two_dir)
+    mine, theirs, near = state(tmp_path / name), state(two_dir), state(tmp_path / "nudged" / name)
     for key, value in mine.items():
         if value.is_floating_point() and not REDUNDANT.search(key):
-            assert (theirs[key] - value).abs().max() <= 1e-4 * max(1.0, value.abs().max()), key
+            bound = 1e-4 * max(1.0, value.abs().max()) + 3 * (near[key] - value).abs().max()
+            assert (theirs[key] - value).abs().max() <= bound, key
     val = load_features(prepare_corpus(cfg.data), "val", cfg.data)
     model = DeepSpeech2(cfg.model, val.num_features, len(LABELS))
     model.load_state_dict(theirs | {k: v for k, v in mine.items() if REDUNDANT.search(k)})
-    assert score(model, val, 8, torch.device("cpu"))["loss"] == pytest.approx(one["epochs"][-1]["val_loss"], rel=1e-4)
+    last = {"val_loss": score(model, val, 8, torch.device("cpu"))["loss"]}
+    assert close("val_loss", 1e-4)([*two["epochs"][:-1], last])[-1], (last, one["epochs"][-1]["val_loss"])
 
 
 def test_two_ranks_compute_the_gradient_of_one_process(tmp_path, smoke_root):

@@ -3,7 +3,7 @@
     python src/run.py experiment=smoke
     python src/run.py -m model.rnn=gru,lstm model.bn=seqwise,post,none
 
-Without `experiment=`, the preset of the machine at hand: an4_gpu with CUDA, else an4_cpu. Each run
+Without `experiment=`, the preset of the machine at hand: an4_gpu_plateau with CUDA, else an4_cpu_plateau. Each run
 writes to runs/<study>/<its name from its resolved settings>/ (batchrnn.training.identity.run_name).
 
 A problem the user can fix ends in one `error: ...` line and exit status 2 (3: training diverged); a

@@ -49,8 +49,10 @@ done
 ARCHIVE="$(realpath "${AN4_ARCHIVE:-$MAIN/../shared/data/an4_sphere.tar.gz}")"
 echo "$(date -u +%FT%TZ) start at $COMMIT on $(hostname) (boot $(cut -c1-8 /proc/sys/kernel/random/boot_id))" \
   >> commands.log
-[ -n "$(in_dir keep_results.sh)" ] || \
-  KEEP_TO="$MAIN/experiments/results" setsid nohup bash experiments/keep_results.sh 120 >> keep.log 2>&1 < /dev/null &
+# the redirections on the whole list: the subshell that `&` makes of it would otherwise hold this script's output
+# open as long as keep_results.sh runs, and a caller reading that output (a pipe, $(...)) would wait for it
+{ [ -n "$(in_dir keep_results.sh)" ] || \
+  KEEP_TO="$MAIN/experiments/results" setsid nohup bash experiments/keep_results.sh 120; } >> keep.log 2>&1 < /dev/null &
 AN4_ARCHIVE="$ARCHIVE" GOMP_SPINCOUNT=10000 setsid nohup make studies ARGS=hydra/launcher=parallel \
   >> study.log 2>&1 < /dev/null &
 sleep 2

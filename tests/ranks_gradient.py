@@ -1,6 +1,8 @@
 """The gradient of fixed training batches of the smoke preset, for tests/test_distributed.py: run by torchrun with
-several ranks (`python tests/ranks_gradient.py OUT VARIANTS_JSON`, rank 0 saves OUT) or called in one process."""
+several ranks (`python tests/ranks_gradient.py OUT VARIANTS_JSON`, rank 0 saves OUT; every rank then leaves the
+process group and writes OUT.rankN.json, its gloo worker threads before and after) or called in one process."""
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -8,6 +10,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from batchrnn.config import register_configs
+from batchrnn.training import distributed
 from batchrnn.training.loop import Run, gradient
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +41,18 @@ def gradients(variants: list[list[str]]) -> list[dict]:
     return out
 
 
+def gloo_threads() -> int:
+    """This process's gloo worker threads (torch names them pt_gloo_runloop)."""
+    return sum(Path(f"/proc/self/task/{task}/comm").read_text().strip() == "pt_gloo_runloop"
+               for task in os.listdir("/proc/self/task"))
+
+
 if __name__ == "__main__":
     found = gradients(json.loads(sys.argv[2]))
-    if torch.distributed.get_rank() == 0:
+    rank = torch.distributed.get_rank()
+    if rank == 0:
         torch.save(found, sys.argv[1])
+    during = gloo_threads()
+    freed = distributed.leave()  # what start()'s exit handler does: checked here, while it can still be seen
+    Path(f"{sys.argv[1]}.rank{rank}.json").write_text(json.dumps(
+        {"freed": freed, "threads_during": during, "threads_after": gloo_threads()}))

@@ -1,6 +1,7 @@
 """Data-parallel training on the CPU with gloo: 2 ranks started by torchrun (and by submitit's local executor with 2
 tasks) compute what one process computes, gradients and BatchNorm's synchronised moments included; ranks killed
 with -9 resume; a rank that stops answering ends the others with a clear error, not a hang."""
+import gc
 import json
 import os
 import re
@@ -27,7 +28,7 @@ from batchrnn.training.identity import run_name
 from batchrnn.training.loop import score, train
 from batchrnn.training.rundir import BEST, CHECKPOINT, LOG, RESULTS
 from conftest import ROOT
-from ranks_gradient import gradients
+from ranks_gradient import gloo_threads, gradients
 from test_sweeps import launcher_config
 
 TORCHRUN = ([str(Path(sys.executable).with_name("torchrun"))] if Path(sys.executable).with_name("torchrun").exists()
@@ -204,7 +205,9 @@ def test_ranks_killed_with_minus_9_resume_and_end_as_if_never_killed(tmp_path, s
     study = tmp_path / "killed"
     with open(tmp_path / "out.log", "w") as out:
         agent = subprocess.Popen([*RUN, *args, f"hydra.run.dir={study}"], stdout=out, stderr=subprocess.STDOUT)
-        wait_for(lambda: list(study.glob(f"*/{CHECKPOINT}")), "a checkpoint", agent)
+        # the checkpoint is written before results.json: a kill between them would leave nothing to count epochs by
+        wait_for(lambda: list(study.glob(f"*/{CHECKPOINT}")) and list(study.glob(f"*/{RESULTS}")),
+                 "a checkpoint and its results", agent)
         for pid in workers(agent.pid).values():
             os.kill(pid, signal.SIGKILL)
         agent.kill()
@@ -247,6 +250,29 @@ def test_a_rank_that_stops_answering_ends_the_others_with_a_clear_error(tmp_path
     assert timeout - 5 < elapsed < timeout + 30, elapsed
     assert agent.returncode != 0
     print(f"rank 0 ended {elapsed:.1f} s after rank 1 was stopped (train.dist_timeout_s={timeout})")
+
+
+@pytest.mark.parametrize("abandoned", [False, True])
+def test_leaving_ends_gloos_threads_unless_a_run_raised(tmp_path, monkeypatch, abandoned):
+    """At exit, after runs that returned, the group is freed and gloo's worker threads end before Python does;
+    after a run that raised, a queued collective may wait on another rank for the whole timeout: it only leaves."""
+    monkeypatch.setattr(distributed, "_abandoned", abandoned)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))  # its reducer holds the group
+        model(torch.ones(3, 2)).sum().backward()  # a collective, the gradients' all-reduce
+        run = {"model": model}
+        run["self"] = run  # held in a reference cycle, as a run's objects are: only a collection frees it
+        del model, run
+        assert gloo_threads() == 2
+        assert distributed.leave() is not abandoned
+        assert not torch.distributed.is_initialized()
+        assert gloo_threads() == (2 if abandoned else 0)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        gc.collect()
+    assert gloo_threads() == 0
 
 
 def test_what_ranks_cannot_compute_as_one_process_is_refused(monkeypatch, smoke_root):

@@ -24,6 +24,7 @@ from torch.distributed.nn.functional import all_reduce as all_reduce_with_grad
 from batchrnn.config import BNMode, ConfigError
 
 _ghost = False  # this rank runs a batch with no utterance of its own (a share of nothing): its sums count 0
+_abandoned = False  # a run's work raised: a collective may still wait on another rank (leave)
 
 
 class DistributedError(RuntimeError):
@@ -91,19 +92,29 @@ def start(device: torch.device, timeout_s: float) -> torch.device:
     return device
 
 
+def abandon() -> None:
+    """A run's work raised (an error, a signal): at exit, leave the process group without waiting for it."""
+    global _abandoned
+    _abandoned = True
+
+
 def leave() -> bool:
     """Leaves the process group and ends its worker threads while the interpreter still runs (at exit: start()
-    registers it). True when the group is gone, its threads joined.
+    registers it). True when the group is gone, its threads joined; after abandon(), it only leaves.
 
     A gloo worker thread frees the tensors of a collective after the rank's wait for it has returned, and freeing a
     tensor that Python has seen takes the GIL. Were that the last collective of a process that then exits, the
     thread could ask for the GIL while the interpreter finalizes; CPython ends such a thread with pthread_exit,
     whose unwinding through a noexcept destructor calls std::terminate: SIGABRT, "terminate called without an
     active exception", after the run's work is done (seen on rank 1 of the tests here, about 1 run in 15).
-    destroy_process_group() alone does not end gloo's threads: they end when the group is freed, which the
-    DistributedDataParallel wrappers delay (their reducers hold it, in reference cycles), hence the collection."""
+    destroy_process_group() alone does not end gloo's threads: they end when the group is freed, and a run's
+    DistributedDataParallel wrapper, whose reducer holds the group, sits in reference cycles that only a collection
+    frees."""
     if not dist.is_initialized():
         return True
+    if _abandoned:  # a queued collective may wait on a rank that is gone or stuck, up to the timeout: not for that
+        dist.destroy_process_group()
+        return False
     group = weakref.ref(dist.distributed_c10d._get_default_group())
     dist.destroy_process_group()
     gc.collect()  # the group's destructor releases the GIL, waits for its queue and joins its threads

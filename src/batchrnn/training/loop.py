@@ -196,8 +196,10 @@ def train(cfg: DictConfig, out_dir: Path, preset: str | None = None) -> dict:
         distributed.start(pick_device(cfg.train.device), cfg.train.dist_timeout_s)
         with folder.lock() if distributed.lead() else contextlib.nullcontext():
             return train_in(cfg, folder, preset)
-    except Exception as e:  # a rank that stopped answering: one clear error on the others, not a traceback
-        if (stopped := distributed.unanswered(e, cfg.train.dist_timeout_s)) is not None:
+    except BaseException as e:
+        distributed.abandon()
+        # a rank that stopped answering: one clear error on the others, not a traceback
+        if isinstance(e, Exception) and (stopped := distributed.unanswered(e, cfg.train.dist_timeout_s)):
             raise stopped from e
         raise
 

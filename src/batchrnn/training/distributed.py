@@ -25,6 +25,7 @@ from batchrnn.config import BNMode, ConfigError
 
 _ghost = False  # this rank runs a batch with no utterance of its own (a share of nothing): its sums count 0
 _abandoned = False  # a run's work raised: a collective may still wait on another rank (leave)
+HELD = "the process group is still held at exit"  # leave()'s warning: a wrapped model outlives its run
 
 
 class DistributedError(RuntimeError):
@@ -120,8 +121,8 @@ def leave() -> bool:
     gc.collect()  # the group's destructor releases the GIL, waits for its queue and joins its threads
     if group() is None:
         return True
-    print(f"batchrnn: rank {rank()}: the process group is still held at exit (a DistributedDataParallel model "
-          "outlives its run); waiting 0.5 s for its threads", file=sys.stderr)
+    print(f"batchrnn: rank {rank()}: {HELD} (a DistributedDataParallel model outlives its run); waiting 0.5 s for "
+          "its threads", file=sys.stderr)
     time.sleep(0.5)  # let a collective's in-flight frees take the GIL before the interpreter finalizes
     return False
 

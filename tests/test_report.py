@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from batchrnn.config import Config
 from batchrnn.study.report import write_report
 from batchrnn.study.report.__main__ import main
+from batchrnn.study.report.against import reading
 from batchrnn.study.report.plots import DEPTH_PLOT, series
 from batchrnn.study.report.stats import first_reach, holm, paired_bootstrap, utterance_errors
 from batchrnn.study.report.summary import DRIFT
@@ -110,7 +111,7 @@ def test_report(sweep, tmp_path, caplog):
     gru_none, gru_post, gru_seqwise = rows[:3]
     assert gru_none[4] == "5.0 ± 1.4"  # (6% + 4%) / 2, sample std 1.41
     assert gru_seqwise[4] == "**1.0 ± 0.0**"  # the best test WER of gru is bold
-    assert gru_none[7] == "–"  # train loss at the tested epoch: these results predate it
+    assert gru_none[7] == "1.00 ± 0.00"  # train loss at the tested epoch 3 (3 / 3): from the epochs, no key yet
     assert gru_none[8] == "10.0 ± 0.7" and gru_post[8] == "11.0 ± 0.0"
     assert (gru_none[10], gru_post[10], gru_seqwise[10]) == ("1.00", "1.10", "1.20")  # time × none
     assert (gru_none[11], gru_seqwise[11]) == ("1.00", "1.25")  # memory × none
@@ -695,3 +696,43 @@ def test_the_full_layernorm_rnn_is_compared_with_the_fused_ln_it_adds_to(tmp_pat
     alone = json.loads((tmp_path / "no-ln" / "report.json").read_text())
     assert not any(c["b"].startswith("gru-ln ") for c in alone["comparisons"]) and len(alone["comparisons"]) == 5
     assert "against `ln`" not in (tmp_path / "no-ln" / "report.md").read_text()
+
+
+def test_a_study_against_an_earlier_one_says_which_verdicts_held(sweep, tmp_path, capsys):
+    """The converged study beside the exponential one (the `sweep` fixture): the plain LSTM caught up with
+    seqwise (that verdict no longer significant) and so left post behind (newly significant); the GRU's
+    verdicts held; a variant only the new study has is a row with nothing on the earlier side."""
+    new = tmp_path / "new"
+    for rnn in ("gru", "lstm"):
+        for bn in ERRORS:
+            for seed in (0, 1):
+                r = fake_result(rnn, bn, seed)
+                if (rnn, bn) == ("lstm", "none"):  # as good as seqwise now, on the same utterances
+                    r = result(r["config"], set(range(5)), [0.2, 0.1, 0.01]) | {"train_loss_at_best": 0.05}
+                write(new, f"{rnn}-{bn}-{seed}", r)
+    for seed in (0, 1):
+        write(new, f"gru-ln-{seed}", result({"model": {"rnn": "gru", "bn": "ln"}, "seed": seed}, set(range(6)),
+                                            [0.3, 0.2, 0.02]))
+    main([str(new), "--out", str(tmp_path / "out"), "--against", str(sweep)])
+    text = (tmp_path / "out" / "against.md").read_text()
+    assert text.startswith("# fake against fake")
+    variants = {r[0]: r for r in table_rows(section(text, "Each variant"))}
+    # earlier: 6% and 4% (the diverged seed in no mean), train loss 3 / 3 from the epochs; new: 1%, its recorded 0.05
+    assert variants["lstm-none"][2:5] == ["5.0 (2)", "1.00", "3"] and variants["lstm-none"][6:] == [
+        "1.0 (2)", "0.05", "3", "-4.0"]
+    assert variants["gru-ln"][1:3] == ["–", "–"] and variants["gru-ln"][6] == "1.2 (2)" and variants["gru-ln"][9] == "–"
+    verdicts = {(r[0], r[1]): r[6] for r in table_rows(section(text, "Each head-to-head comparison"))}
+    assert verdicts[("gru", "seqwise vs none")] == "held"
+    assert verdicts[("lstm", "seqwise vs none")] == "no longer significant"
+    assert verdicts[("lstm", "post vs none")] == "newly significant"
+    assert verdicts[("gru", "post vs none")] == "neither"
+    assert verdicts[("gru", "ln vs none")] == "not in both"
+    # held: also post vs seqwise, in both rnns; neither: gru post vs none; ln's two are in the new study only
+    assert "3 held, 0 reversed, 1 no longer significant, 1 newly significant, 1 neither." in text
+    assert (reading({"p": 0.01, "significant": True, "dwer": -0.05}, {"p": 0.01, "significant": True, "dwer": 0.03})
+            == "reversed")
+
+    with pytest.raises(SystemExit) as stop:  # a wrong earlier folder fails before anything is written
+        main([str(new), "--out", str(tmp_path / "bad"), "--against", str(tmp_path / "nope")])
+    assert stop.value.code == 2 and f"{tmp_path / 'nope'}: no such folder" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()

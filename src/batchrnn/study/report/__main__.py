@@ -1,5 +1,5 @@
-"""python -m batchrnn.report SWEEP_DIR [--out DIR] [--only SETTING=V1,V2 ...] [--wandb]: report.md, report.json
-and the plots."""
+"""python -m batchrnn.report SWEEP_DIR [--out DIR] [--only SETTING=V1,V2 ...] [--against EARLIER_DIR] [--wandb]:
+report.md, report.json and the plots (and against.md)."""
 import argparse
 import logging
 import sys
@@ -18,6 +18,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="report only the runs with one of these values of a setting (repeatable), e.g. "
                              "--only model.bn=none,post,input,skip,seqwise for the grid of a folder that also "
                              "holds other normalisations; its comparisons are then the family Holm corrects over")
+    parser.add_argument("--against", type=Path, metavar="EARLIER_DIR",
+                        help="an earlier study's folder of the same variants (e.g. one under another schedule): "
+                             "also write against.md, each variant's and each comparison's verdict in both, and "
+                             "which held")
     parser.add_argument("--wandb", action="store_true",
                         help="also log the tables and plots as a W&B run of job_type report in the study's "
                              "group (online with an API key, else offline under OUT/wandb-report)")
@@ -30,7 +34,8 @@ def main(argv: list[str] | None = None) -> None:
         only.setdefault(key, []).extend(v for v in values.split(",") if v)
     logging.basicConfig(format="warning: %(message)s", level=logging.WARNING)
     try:
-        path = write_report(args.sweep_dir, args.out, LoggerMode.auto if args.wandb else None, only)
+        path = write_report(args.sweep_dir, args.out, LoggerMode.auto if args.wandb else None, only,
+                            args.against)
     except (FileNotFoundError, FilterError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)  # as the trainer and the other entry points exit on a problem the user can fix

@@ -188,9 +188,17 @@ def computed_on(result: dict) -> str:
 
 def run_record(result: dict, now: float) -> dict:
     s = known_settings(result["config"]) | {COMPUTED: computed_on(result)}
+    if "train_loss_at_best" not in result:  # recorded since issue 28; the same value, from an older run's epochs
+        result = result | {"train_loss_at_best": train_loss_at(result)}
     return {"seed": s.get(SEED), "status": status_of(result, now), "path": result["path"], "settings": s,
             "epochs": result.get("epochs") or [], "improving_at_cap": bool(result.get("improving_at_cap")),
             "result": result}
+
+
+def train_loss_at(result: dict) -> float | None:
+    """The training loss of the epoch with the best validation WER (the tested one), None before one."""
+    best, epochs = result.get("best_epoch") or 0, result.get("epochs") or []
+    return epochs[best - 1].get("train_loss") if 0 < best <= len(epochs) else None
 
 
 def status_of(result: dict, now: float) -> str:

@@ -718,7 +718,7 @@ def test_a_study_against_an_earlier_one_says_which_verdicts_held(sweep, tmp_path
     assert text.startswith("# fake against fake")
     variants = {r[0]: r for r in table_rows(section(text, "Each variant"))}
     # earlier: 6% and 4% (the diverged seed in no mean), train loss 3 / 3 from the epochs; new: 1%, its recorded 0.05
-    assert variants["lstm-none"][2:5] == ["5.0 (2)", "1.00", "3"] and variants["lstm-none"][6:] == [
+    assert variants["lstm-none"][1:5] == [f"lr {SCHEMA['train']['lr']:g}", "5.0 (2)", "1.00", "3"] and variants["lstm-none"][6:] == [
         "1.0 (2)", "0.05", "3", "-4.0"]
     assert variants["gru-ln"][1:3] == ["–", "–"] and variants["gru-ln"][6] == "1.2 (2)" and variants["gru-ln"][9] == "–"
     verdicts = {(r[0], r[1]): r[6] for r in table_rows(section(text, "Each head-to-head comparison"))}

@@ -32,7 +32,7 @@ def verdict_rows(summary: Summary) -> dict[tuple, dict]:
 
 def chosen(row: dict) -> str:
     augment = row["settings"].get(AUGMENT)
-    return f"{row['lr']:g}" + ("" if augment is None else ", SpecAugment " + ("on" if augment else "off"))
+    return f"lr {row['lr']:g}" + ("" if augment is None else ", SpecAugment " + ("on" if augment else "off"))
 
 
 def cell(row: dict | None, name: str, scale: float = 1.0, digits: int = 1) -> str:

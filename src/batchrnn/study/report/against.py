@@ -64,10 +64,12 @@ def variants_table(earlier: Summary, new: Summary) -> list[str]:
     return lines
 
 
-def comparisons_table(earlier: Summary, new: Summary) -> list[str]:
-    def by_pair(summary: Summary) -> dict[tuple, dict]:
-        return {(c["group"], c["a_name"], c["b_name"]): c for c in summary.comparisons}
+def by_pair(summary: Summary) -> dict[tuple, dict]:
+    """The head-to-head comparisons by what they compare (group, first placement, second), whatever the rates."""
+    return {(c["group"], c["a_name"], c["b_name"]): c for c in summary.comparisons}
 
+
+def comparisons_table(earlier: Summary, new: Summary) -> list[str]:
     before, after = by_pair(earlier), by_pair(new)
     lines = ["| group | comparison | earlier ΔWER [95% CI] | faster | new ΔWER [95% CI] | faster | quality verdict |",
              "|---|---|---:|---|---:|---|---|"]
@@ -109,5 +111,5 @@ def markdown(earlier: Summary, new: Summary) -> str:
 
 
 def paired(earlier: Summary, new: Summary) -> list[tuple[dict, dict]]:
-    after = {(c["group"], c["a_name"], c["b_name"]): c for c in new.comparisons}
-    return [(c, after[key]) for c in earlier.comparisons if (key := (c["group"], c["a_name"], c["b_name"])) in after]
+    after = by_pair(new)
+    return [(c, after[key]) for key, c in by_pair(earlier).items() if key in after]

@@ -29,16 +29,10 @@ from batchrnn.config import ConfigError, register_configs, to_container, with_de
 from batchrnn.validation import validate
 from batchrnn.errors import DIVERGED
 from batchrnn.study.sweep import job_threads, record_failed_job, record_stop
+from batchrnn.training import stopping
 
 register_configs()
 log = logging.getLogger("batchrnn")
-
-
-def stop_on_sigterm(signum, frame):
-    # Raised between two bytecodes of the main thread: a half-written file's temporary copy is removed
-    # on the way out, and the last complete epoch's checkpoint is there for the next start.
-    log.warning("stopped by SIGTERM; run the same command again to resume from the last complete epoch")
-    sys.exit(128 + signum)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -60,7 +54,7 @@ def run(cfg: DictConfig) -> float:
     # Only where nobody else handles it: submitit's own handler turns SIGTERM into a SLURM requeue.
     in_main_thread = threading.current_thread() is threading.main_thread()
     if in_main_thread and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, stop_on_sigterm)
+        signal.signal(signal.SIGTERM, stopping.on_signal)  # while training, acted on between two steps
     try:
         validate(cfg)
     except ConfigError as e:

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
+import torch
 from hydra import compose, initialize_config_dir
 
 from batchrnn.data import base
@@ -32,6 +33,7 @@ from batchrnn.data.corpus import DataError, extract_archive, prepare_corpus
 from batchrnn.training.rundir import BEST, CHECKPOINT, RESULTS, RunError
 from batchrnn.study.sweep import STOP_FILE
 from batchrnn.training.identity import run_name
+from batchrnn.training import distributed, loop, stopping
 from batchrnn.training.loop import TrainingDiverged, train
 from conftest import ROOT
 from wandb_offline import read_offline_run
@@ -393,6 +395,21 @@ def test_sigterm_ends_a_parallel_sweeps_worker_processes_too(tmp_path, smoke_roo
         out.seek(0)
         assert out.read().count("stopped by SIGTERM") == 2
 
+def test_processes_that_share_a_fresh_data_folder_prepare_it_one_at_a_time(tmp_path):
+    """A parallel sweep's jobs (or ranks) on a fresh data.root: one prepares the corpus and its features while the
+    others wait on the folder's lock (training.distributed.one_at_a_time), instead of writing the same files at
+    once (two jobs once raced on the synthetic archive's .part file)."""
+    root = tmp_path / "data"
+    with distributed.one_at_a_time(root):  # held here, as by the first job
+        proc = subprocess.Popen([*RUN, "experiment=smoke", f"data.root={root}", f"hydra.run.dir={tmp_path / 'run'}",
+                                 "train.epochs=1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        time.sleep(8)  # time enough to start and, were it not waiting, to make the corpus
+        waited = proc.poll() is None and not (root / "synthetic" / "an4" / data.MARKER).exists()
+    out, _ = proc.communicate(timeout=300)
+    assert waited, out[-2000:]
+    assert proc.returncode == 0, out[-2000:]
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, smoke_root):
     return train(config(f"data.root={smoke_root}", "train.epochs=6"), tmp_path_factory.mktemp("whole"))
@@ -430,6 +447,61 @@ def test_killed_run_resumes_and_ends_as_if_never_killed(tmp_path, smoke_root, un
     assert [e["train_loss"] for e in results["epochs"]] == pytest.approx(
         [e["train_loss"] for e in uninterrupted["epochs"]], rel=1e-5)
     assert not list(run.glob(".*.tmp"))
+
+
+def test_sigterm_in_a_step_ends_the_run_when_that_step_is_done(smoke, tmp_path, monkeypatch):
+    """The handler src/run.py installs acts between two steps (batchrnn.training.stopping): a SIGTERM that comes in
+    the middle of a step (here before its forward and backward) lets the step finish, AdamW's update included,
+    and the run leaves before the next one, with exit status 143 and epoch 1's checkpoint as the last."""
+    whole, started, finished, updates = loop.gradient, [], [], []
+
+    def gradient(run, indices, epoch):
+        if epoch == 2:
+            started.append(epoch)
+            if len(started) == 2:  # the second step of epoch 2
+                os.kill(os.getpid(), signal.SIGTERM)  # Python runs the handler at its next bytecode: in this step
+        out = whole(run, indices, epoch)
+        if epoch == 2:
+            finished.append(epoch)
+        return out
+
+    def step(self, *args, real=torch.optim.AdamW.step, **kwargs):
+        updates.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "gradient", gradient)
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    previous = signal.signal(signal.SIGTERM, stopping.on_signal)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            train(smoke("train.epochs=4"), tmp_path)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert stop.value.code == 128 + signal.SIGTERM
+    assert started == finished == [2, 2]  # the step the signal came in finished; no third step began
+    progress = torch.load(tmp_path / CHECKPOINT, weights_only=False)["progress"]
+    assert progress["epoch"] == 1 and len(updates) == progress["step"] + 2  # epoch 2's two updates were made
+    assert progress["step"] > 2  # epoch 2 had more steps to take: the signal stopped it
+
+
+def test_a_sigterm_is_acted_on_at_once_outside_training_and_at_the_next_check_inside():
+    with pytest.raises(SystemExit) as stop:
+        stopping.on_signal(signal.SIGTERM, None)
+    assert stop.value.code == 128 + signal.SIGTERM
+    reached = []
+    with pytest.raises(SystemExit) as stop:
+        with stopping.deferred():
+            stopping.on_signal(signal.SIGTERM, None)  # recorded only
+            stopping.on_signal(signal.SIGINT, None)  # the first one is the one acted on
+            reached.append("after the signals")
+            stopping.check()
+            reached.append("after the check")
+    assert stop.value.code == 128 + signal.SIGTERM and reached == ["after the signals"]
+    with pytest.raises(SystemExit):  # one after the last check: acted on when the training ends
+        with stopping.deferred():
+            stopping.on_signal(signal.SIGTERM, None)
+    with stopping.deferred():  # a new run starts with none pending
+        stopping.check()
 
 
 def test_damaged_checkpoint_names_the_file_and_the_fix(smoke, tmp_path):

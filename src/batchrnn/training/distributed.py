@@ -239,16 +239,22 @@ def barrier() -> None:
 
 @contextlib.contextmanager
 def one_at_a_time(folder: Path):
-    """With several ranks on a machine, one at a time inside (the corpus and its feature cache, prepared by the
-    first, read by the others); nothing with one process. A file lock, not a barrier: preparing a corpus may take
-    longer than the process group's timeout."""
-    if world_size() == 1:
+    """The processes that share a data folder (the ranks on a machine, a parallel sweep's jobs), one at a time
+    inside: the corpus and its feature cache are prepared by the first and read by the others. A file lock, not a
+    barrier: preparing a corpus may take longer than the process group's timeout. Where the folder cannot be made
+    or locked, nothing is held, and preparing the corpus says what is wrong with the folder."""
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        handle = open(Path(folder) / ".prepare.lock", "a")
+    except OSError:
         yield
         return
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".prepare.lock", "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:  # a filesystem without flock (some NFS)
+            yield
+            return
         try:
             yield
         finally:

@@ -24,7 +24,7 @@ from batchrnn.data.features import FeatureSet, collate, load_features, make_batc
 from batchrnn.metrics import error_rates
 from batchrnn.model import DeepSpeech2
 from batchrnn.training.identity import settings, variant_label
-from batchrnn.training import distributed
+from batchrnn.training import distributed, stopping
 from batchrnn.training.rundir import CHECKPOINT, RESULTS, RunError, RunFolder
 from batchrnn.data.text import LABELS, greedy_decode
 from batchrnn.tracking.tracker import Tracker, start_tracking
@@ -109,7 +109,7 @@ class Run:
         self.bf16 = uses_bf16(t, self.device)
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-        with distributed.one_at_a_time(cfg.data.root):  # several ranks: the first prepares, the others read
+        with distributed.one_at_a_time(cfg.data.root):  # ranks, a parallel sweep: the first prepares, the others read
             corpus = prepare_corpus(cfg.data)
             self.sets = {s: load_features(corpus, s, cfg.data) for s in ("train", "val", "test")}
         self.corpus_summary = corpus.summary
@@ -171,6 +171,7 @@ def score(model, fs: FeatureSet, batch_size: int, device: torch.device, bf16: bo
     found, total = {}, 0.0  # found: the utterance's index -> its hypothesis
     batches = make_batches(fs.lengths, batch_size, shuffle=False, seed=0)
     for indices in progress_bar(batches, desc="scoring", unit="batch", disable=not progress):
+        stopping.check()
         if not (share := distributed.share(indices)):
             continue
         x, x_lens, y, y_lens = (b.to(device) for b in collate(fs, share))
@@ -239,50 +240,51 @@ def train_in(cfg: DictConfig, folder: RunFolder, preset: str | None) -> dict:
              len(run.sets["test"]), tracker.mode, folder.path)
     # "failed" when wandb could not start at all, which the log warned about: recorded beside the results
     summary = lambda status: results_of(cfg, preset, run, progress, status) | {"tracking": tracker.mode}  # noqa: E731
-    try:
-        while progress.stop(t) is None:
-            progress.epoch += 1
-            reset_peak_memory(run.device)
-            synchronize(run.device)
-            start = time.perf_counter()
-            epoch = train_epoch(run, progress, tracker)
-            synchronize(run.device)
-            seconds = time.perf_counter() - start
-            val = score(run.model, run.sets["val"], t.batch_size, run.device, run.bf16)
-            row = {"epoch": progress.epoch, "train_loss": epoch["loss"], "val_loss": val["loss"],
-                   "val_wer": val["wer"], "val_cer": val["cer"], "epoch_time_s": seconds,
-                   # of this epoch's training, before validation; with several ranks, the largest rank's
-                   "peak_mem_mb": distributed.largest(peak_memory_mb(run.device)),
-                   "utt_per_s": epoch["utterances"] / seconds, "lr": run.opt.param_groups[0]["lr"],
-                   "skipped_steps": progress.skipped_steps,
-                   "grad_norm_mean": epoch["grad_norm_mean"], "grad_norm_max": epoch["grad_norm_max"]}
-            progress.history.append(row)
-            if progress.judge(val["wer"], val["loss"], t) and lead:
-                folder.save_best(run.model, config, epoch=progress.epoch, val_wer=val["wer"])
+    with stopping.deferred():  # a SIGTERM ends the run between two steps (batchrnn.training.stopping)
+        try:
+            while progress.stop(t) is None:
+                progress.epoch += 1
+                reset_peak_memory(run.device)
+                synchronize(run.device)
+                start = time.perf_counter()
+                epoch = train_epoch(run, progress, tracker)
+                synchronize(run.device)
+                seconds = time.perf_counter() - start
+                val = score(run.model, run.sets["val"], t.batch_size, run.device, run.bf16)
+                row = {"epoch": progress.epoch, "train_loss": epoch["loss"], "val_loss": val["loss"],
+                       "val_wer": val["wer"], "val_cer": val["cer"], "epoch_time_s": seconds,
+                       # of this epoch's training, before validation; with several ranks, the largest rank's
+                       "peak_mem_mb": distributed.largest(peak_memory_mb(run.device)),
+                       "utt_per_s": epoch["utterances"] / seconds, "lr": run.opt.param_groups[0]["lr"],
+                       "skipped_steps": progress.skipped_steps,
+                       "grad_norm_mean": epoch["grad_norm_mean"], "grad_norm_max": epoch["grad_norm_max"]}
+                progress.history.append(row)
+                if progress.judge(val["wer"], val["loss"], t) and lead:
+                    folder.save_best(run.model, config, epoch=progress.epoch, val_wer=val["wer"])
+                if lead:
+                    folder.save_checkpoint(run.model, run.opt, asdict(progress))
+                    folder.write_results(summary("running"))
+                tracker.log_epoch(row)
+                log.info("epoch %d: train loss %.3f, val loss %.3f, val WER %.1f%%, CER %.1f%%, %.1f s, %.0f MB, "
+                         "grad norm %.2f (max %.2f)", row["epoch"], row["train_loss"], row["val_loss"],
+                         100 * row["val_wer"], 100 * row["val_cer"], seconds, row["peak_mem_mb"],
+                         row["grad_norm_mean"], row["grad_norm_max"])
+                if progress.lr_cuts and progress.cut_epoch == progress.epoch:
+                    log.info("epoch %d: no improvement for %d epochs, so the rate is cut to %.3g of train.lr (cut %d)",
+                             progress.epoch, t.plateau_wait, progress.lr_scale(t), progress.lr_cuts)
+        except TrainingDiverged as e:
+            # The epochs are those of the last complete one; the status and error say why it stopped.
             if lead:
-                folder.save_checkpoint(run.model, run.opt, asdict(progress))
-                folder.write_results(summary("running"))
-            tracker.log_epoch(row)
-            log.info("epoch %d: train loss %.3f, val loss %.3f, val WER %.1f%%, CER %.1f%%, %.1f s, %.0f MB, "
-                     "grad norm %.2f (max %.2f)", row["epoch"], row["train_loss"], row["val_loss"],
-                     100 * row["val_wer"], 100 * row["val_cer"], seconds, row["peak_mem_mb"],
-                     row["grad_norm_mean"], row["grad_norm_max"])
-            if progress.lr_cuts and progress.cut_epoch == progress.epoch:
-                log.info("epoch %d: no improvement for %d epochs, so the rate is cut to %.3g of train.lr (cut %d)",
-                         progress.epoch, t.plateau_wait, progress.lr_scale(t), progress.lr_cuts)
-    except TrainingDiverged as e:
-        # The epochs are those of the last complete one; the status and error say why it stopped.
+                folder.write_results(summary("diverged") | {"error": str(e)})
+            tracker.finish()  # a sweep goes on with its next job, which starts its own W&B run
+            raise
+        distributed.barrier()  # rank 0 has written best.pt
+        run.model.load_state_dict(folder.best_state(run.device))
+        test = score(run.model, run.sets["test"], t.batch_size, run.device, run.bf16)
+        results = summary("finished") | {"test_wer": test["wer"], "test_cer": test["cer"], "test_loss": test["loss"],
+                                         "test_utterances": test["utterances"]}
         if lead:
-            folder.write_results(summary("diverged") | {"error": str(e)})
-        tracker.finish()  # a sweep goes on with its next job, which starts its own W&B run
-        raise
-    distributed.barrier()  # rank 0 has written best.pt
-    run.model.load_state_dict(folder.best_state(run.device))
-    test = score(run.model, run.sets["test"], t.batch_size, run.device, run.bf16)
-    results = summary("finished") | {"test_wer": test["wer"], "test_cer": test["cer"], "test_loss": test["loss"],
-                                     "test_utterances": test["utterances"]}
-    if lead:
-        folder.write_results(results)
+            folder.write_results(results)
     # flat columns a W&B runs table can sort and group by, beside the config
     tracker.summary({k: results[k] for k in ("rnn", "bn", "impl", "seed", "test_wer", "test_cer", "best_val_wer",
                                               "best_epoch", "epoch_time_s", "peak_mem_mb", "params", "stop")})
@@ -327,6 +329,7 @@ def train_epoch(run: Run, progress: Progress, tracker) -> dict:
     total, count, norms = 0.0, 0, []
     bar = progress_bar(batches, desc=f"epoch {progress.epoch}", unit="batch", leave=False, mininterval=2)
     for batch in bar:
+        stopping.check()  # a SIGTERM since the last step ends the run here, between two steps
         indices = [run.train_indices[i] for i in batch]
         lr = run.lr_at(progress)
         for group in run.opt.param_groups:

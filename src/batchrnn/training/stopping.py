@@ -6,9 +6,9 @@ signal, with its last complete epoch's checkpoint in place. Outside it (reading 
 the handler leaves at once, as there is nothing to finish.
 
 Why not raise at once: Python runs a handler at the next bytecode of the main thread, which can be anywhere in a
-step (a custom autograd Function's backward, AdamW's update, a checkpoint being written). Three of the pinned
-study's nine stops under that handler ended a run in glibc's "corrupted size vs. prev_size" abort, one of them in a
-backward pass (experiments/converged.md, the study log). A step boundary is a state the run can leave cleanly.
+step (a custom autograd Function's backward, AdamW's update, a checkpoint being written). Four of the pinned
+study's fourteen stops under that handler ended a run in glibc's "corrupted size vs. prev_size" abort, one of them
+in a backward pass (experiments/converged.md, the study log). A step boundary is a state the run can leave cleanly.
 """
 import contextlib
 import logging

@@ -243,22 +243,14 @@ def one_at_a_time(folder: Path):
     inside: the corpus and its feature cache are prepared by the first and read by the others. A file lock, not a
     barrier: preparing a corpus may take longer than the process group's timeout. Where the folder cannot be made
     or locked, nothing is held, and preparing the corpus says what is wrong with the folder."""
-    try:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        handle = open(Path(folder) / ".prepare.lock", "a")
-    except OSError:
+    with contextlib.ExitStack() as held:
+        try:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            handle = held.enter_context(open(Path(folder) / ".prepare.lock", "a"))
+            fcntl.flock(handle, fcntl.LOCK_EX)  # released as the file closes
+        except OSError:  # a read-only folder, a filesystem without flock (some NFS)
+            pass
         yield
-        return
-    with handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        except OSError:  # a filesystem without flock (some NFS)
-            yield
-            return
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def unanswered(e: BaseException, timeout_s: float) -> DistributedError | None:

@@ -41,12 +41,16 @@ def check() -> None:
 
 @contextlib.contextmanager
 def deferred():
-    """The run's training and scoring: a signal is acted on at the next `check()`, or at the end."""
-    if not _state["deferring"]:
-        _state["signum"] = None
+    """The run's training and scoring: a signal is acted on at the next `check()`, or at the end. Nothing stays
+    pending after it, so a later `score()` in the same process (evaluate, a test) is not stopped by it."""
+    outermost = not _state["deferring"]
     _state["deferring"] += 1
     try:
         yield
     finally:
         _state["deferring"] -= 1
-    check()  # one that came after the last check (reached only when the body returned)
+        pending = _state["signum"]
+        if outermost:
+            _state["signum"] = None
+    if pending is not None:  # one that came after the last check (reached only when the body returned)
+        leave(pending)

@@ -77,6 +77,11 @@ def wait_for(condition, what: str, proc: subprocess.Popen, seconds: float = 180)
         time.sleep(0.05)
 
 
+def rank_logs(study: Path) -> list[str]:
+    """The texts of a 2-rank run's logs, rank 0's first (none until they exist)."""
+    return [p.read_text() for p in (*study.glob(f"*/{LOG}"), *study.glob("*/rank1.log"))]
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory, smoke_root) -> Path:
     """A study folder of 2-rank runs: the five variants as one torchrun sweep, and seqwise with SpecAugment."""
@@ -232,7 +237,7 @@ def test_a_rank_that_stops_answering_ends_the_others_with_a_clear_error(tmp_path
         agent = subprocess.Popen([*RUN, "experiment=smoke", f"data.root={smoke_root}", f"hydra.run.dir={study}",
                                   "train.epochs=1000", f"train.dist_timeout_s={timeout}"],
                                  stdout=out, stderr=subprocess.STDOUT)
-        logs = lambda: [p.read_text() for p in (*study.glob(f"*/{LOG}"), *study.glob("*/rank1.log"))]  # noqa: E731
+        logs = lambda: rank_logs(study)  # noqa: E731
         try:
             wait_for(lambda: len(logs()) == 2 and all("epoch 1:" in text for text in logs()), "epoch 1", agent)
             stopped = workers(agent.pid)[1]
@@ -250,6 +255,34 @@ def test_a_rank_that_stops_answering_ends_the_others_with_a_clear_error(tmp_path
     assert timeout - 5 < elapsed < timeout + 30, elapsed
     assert agent.returncode != 0
     print(f"rank 0 ended {elapsed:.1f} s after rank 1 was stopped (train.dist_timeout_s={timeout})")
+
+
+def test_a_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, smoke_root):
+    """A signal reaches the ranks at different moments, or (here) only one of them. They agree on it at the next step
+    (batchrnn.training.stopping.check), so every rank stops there as if signalled. Were rank 1 to leave alone, rank 0
+    would end in the error of the test above, in its next collective ("another rank ... has gone": gloo sees the
+    connection reset at once; another backend may wait for train.dist_timeout_s)."""
+    study, timeout = tmp_path / "study", 300
+    with open(tmp_path / "out.log", "w") as out:
+        agent = subprocess.Popen([*RUN, "experiment=smoke", f"data.root={smoke_root}", f"hydra.run.dir={study}",
+                                  "train.epochs=1000", f"train.dist_timeout_s={timeout}"],
+                                 stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_for(lambda: len(rank_logs(study)) == 2 and all("epoch 1:" in t for t in rank_logs(study)), "epoch 1",
+                     agent)
+            os.kill(workers(agent.pid)[1], signal.SIGTERM)
+            agent.wait(timeout=120)
+        finally:
+            if agent.poll() is None:
+                for pid in workers(agent.pid).values():
+                    os.kill(pid, signal.SIGKILL)
+                agent.kill()
+                agent.wait(timeout=60)
+    for rank, text in enumerate(rank_logs(study)):
+        assert "stopped by SIGTERM" in text and "error:" not in text, (rank, text[-3000:])
+    (run,) = (p.parent for p in study.glob(f"*/{CHECKPOINT}"))
+    results = json.loads((run / RESULTS).read_text())
+    assert results["status"] == "running" and len(results["epochs"]) >= 1  # it resumes from its last epoch
 
 
 @pytest.mark.parametrize("abandoned", [False, True])

@@ -9,11 +9,18 @@ Why not raise at once: Python runs a handler at the next bytecode of the main th
 step (a custom autograd Function's backward, AdamW's update, a checkpoint being written). Four of the pinned
 study's fourteen stops under that handler ended a run in glibc's "corrupted size vs. prev_size" abort, one of them
 in a backward pass (experiments/converged.md, the study log). A step boundary is a state the run can leave cleanly.
+
+With several ranks the ranks agree: every rank calls `check()` at the same points, and all leave there if any of them
+had a signal. A signal reaches the ranks at different moments (or only one rank); a rank that left on its own would
+end the others in an error at their next collective ("another rank ... has gone": gloo sees the connection reset at
+once, another backend may wait for train.dist_timeout_s).
 """
 import contextlib
 import logging
 import signal
 import sys
+
+from batchrnn.training import distributed
 
 log = logging.getLogger("batchrnn")
 
@@ -34,9 +41,13 @@ def leave(signum: int) -> None:
 
 
 def check() -> None:
-    """Leave here if a signal came since the run began deferring (a no-op otherwise)."""
-    if _state["signum"] is not None:
-        leave(_state["signum"])
+    """Leave here if a signal came since the run began deferring (a no-op otherwise). With several ranks it is a
+    collective (one all-reduce of the signal's number): every rank leaves here if any rank had a signal."""
+    signum = _state["signum"] or 0
+    if distributed.active():
+        signum = int(distributed.largest(signum))
+    if signum:
+        leave(signum)
 
 
 @contextlib.contextmanager

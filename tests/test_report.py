@@ -14,6 +14,7 @@ from batchrnn.config import Config
 from batchrnn.study.report import write_report
 from batchrnn.study.report.__main__ import main
 from batchrnn.study.report.against import reading
+from batchrnn.study.report import plots
 from batchrnn.study.report.plots import DEPTH_PLOT, series
 from batchrnn.study.report.stats import first_reach, holm, paired_bootstrap, utterance_errors
 from batchrnn.study.report.summary import DRIFT
@@ -698,7 +699,7 @@ def test_the_full_layernorm_rnn_is_compared_with_the_fused_ln_it_adds_to(tmp_pat
     assert "against `ln`" not in (tmp_path / "no-ln" / "report.md").read_text()
 
 
-def test_a_study_against_an_earlier_one_says_which_verdicts_held(sweep, tmp_path, capsys):
+def test_a_study_against_an_earlier_one_says_which_verdicts_held(sweep, tmp_path, capsys, monkeypatch):
     """The converged study beside the exponential one (the `sweep` fixture): the plain LSTM caught up with
     seqwise (that verdict no longer significant) and so left post behind (newly significant); the GRU's
     verdicts held; a variant only the new study has is a row with nothing on the earlier side."""
@@ -713,9 +714,18 @@ def test_a_study_against_an_earlier_one_says_which_verdicts_held(sweep, tmp_path
     for seed in (0, 1):
         write(new, f"gru-ln-{seed}", result({"model": {"rnn": "gru", "bn": "ln"}, "seed": seed}, set(range(6)),
                                             [0.3, 0.2, 0.02]))
+    plotted, real = [], plots.earlier_vs_new
+    monkeypatch.setattr(plots, "earlier_vs_new", lambda pairs, *args: plotted.append(pairs) or real(pairs, *args))
     main([str(new), "--out", str(tmp_path / "out"), "--against", str(sweep)])
     text = (tmp_path / "out" / "against.md").read_text()
     assert text.startswith("# fake against fake")
+    # the plot: each variant's earlier and new test WER, in the table's order; gru-ln only on the new side
+    assert "![against](against.png)" in text and (tmp_path / "out" / "against.png").stat().st_size > 0
+    (pairs,) = plotted
+    drawn = {(b or a)["variant"]: (a and round(100 * a["test_wer"], 1), b and round(100 * b["test_wer"], 1))
+             for a, b in pairs}
+    assert drawn["lstm-none"] == (5.0, 1.0) and drawn["gru-ln"] == (None, 1.2)
+    assert list(drawn) == [r[0] for r in table_rows(section(text, "Each variant"))]
     variants = {r[0]: r for r in table_rows(section(text, "Each variant"))}
     # earlier: 6% and 4% (the diverged seed in no mean), train loss 3 / 3 from the epochs; new: 1%, its recorded 0.05
     assert variants["lstm-none"][1:5] == [f"lr {SCHEMA['train']['lr']:g}", "5.0 (2)", "1.00", "3"] and variants["lstm-none"][6:] == [

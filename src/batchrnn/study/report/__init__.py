@@ -14,8 +14,8 @@ def write_report(sweep_dir: Path, out_dir: Path | None = None, wandb: LoggerMode
                  only: dict[str, list[str]] | None = None, against: Path | None = None) -> Path:
     """Writes report.md, report.json and the PNGs for the results.json files under sweep_dir (default
     out_dir: sweep_dir; only: the runs with these settings, summary.build), with against (an earlier study's
-    folder, the same `only`) against.md, and with a wandb mode logs them to W&B too; returns the path of
-    report.md."""
+    folder, the same `only`) against.md and its plot, and with a wandb mode logs them to W&B too; returns the path
+    of report.md."""
     import json
 
     summary = build(sweep_dir, only=only)
@@ -28,7 +28,7 @@ def write_report(sweep_dir: Path, out_dir: Path | None = None, wandb: LoggerMode
     report = render.as_json(summary, drawn)
     (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     if earlier is not None:
-        (out_dir / "against.md").write_text(versus.markdown(earlier, summary))
+        (out_dir / "against.md").write_text(versus.markdown(earlier, summary, versus.draw(earlier, summary, out_dir)))
     if wandb is not None:
         from batchrnn.study.report.wandb_run import log_report, logger_of
 

@@ -6,6 +6,7 @@ runs by the report's own summary, so each side is exactly what its report.md say
 """
 import math
 
+from batchrnn.study.report import plots
 from batchrnn.study.report.render import interval, name_of
 from batchrnn.study.report.summary import Summary
 from batchrnn.training.identity import AUGMENT
@@ -13,6 +14,7 @@ from batchrnn.training.identity import AUGMENT
 # How a head-to-head verdict of the earlier study reads in the new one (significant: Holm-adjusted, each
 # study's own family).
 HELD, REVERSED, LOST, GAINED, NEITHER = "held", "reversed", "no longer significant", "newly significant", "neither"
+PLOT = "against.png"
 
 
 def reading(earlier: dict | None, new: dict | None) -> str:
@@ -48,13 +50,17 @@ def tested(row: dict | None) -> str:
     return f"{cell(row, 'test_wer', 100)} ({row['n']}{capped})"
 
 
-def variants_table(earlier: Summary, new: Summary) -> list[str]:
+def variants(earlier: Summary, new: Summary) -> list[tuple[dict | None, dict | None]]:
+    """(earlier row, new row) of each variant of either study's verdict, the earlier study's order first."""
     before, after = verdict_rows(earlier), verdict_rows(new)
+    return [(before.get(key), after.get(key)) for key in [*before, *(k for k in after if k not in before)]]
+
+
+def variants_table(earlier: Summary, new: Summary) -> list[str]:
     lines = ["| variant | earlier: settings | test WER % (n) | train loss | epochs | new: settings | test WER % (n) "
              "| train loss | epochs | change in test WER (points) |",
              "|---|---|---:|---:|---:|---|---:|---:|---:|---:|"]
-    for key in [*before, *(k for k in after if k not in before)]:
-        a, b = before.get(key), after.get(key)
+    for a, b in variants(earlier, new):
         both = a is not None and b is not None
         lines.append("| " + " | ".join([
             (b or a)["variant"], chosen(a) if a else "–", tested(a), cell(a, "train_loss_at_best", digits=2),
@@ -90,7 +96,15 @@ def faster(c: dict | None) -> str:
     return name_of(c, c["speed_winner"]) if c["speed_winner"] else "unclear" if c["speed_censored"] else "tie"
 
 
-def markdown(earlier: Summary, new: Summary) -> str:
+def draw(earlier: Summary, new: Summary, out_dir) -> str | None:
+    """The variants' test WER in both studies as a plot (PLOT in out_dir); its file name, None with no variant."""
+    if not (pairs := variants(earlier, new)):
+        return None
+    plots.earlier_vs_new(pairs, out_dir / PLOT, earlier.study, new.study)
+    return PLOT
+
+
+def markdown(earlier: Summary, new: Summary, plot: str | None = None) -> str:
     counts = {r: sum(reading(c, verdict) == r for c, verdict in paired(earlier, new)) for r in
               (HELD, REVERSED, LOST, GAINED, NEITHER)}
     return "\n".join([
@@ -103,7 +117,7 @@ def markdown(earlier: Summary, new: Summary) -> str:
         "- The change in test WER is not a test: the two studies' runs are different runs. Significance is each "
         "study's own (its head-to-head family, Holm-adjusted); \"faster\" is each study's speed verdict, which "
         "measures epochs to its own validation threshold.",
-        "", "## Each variant", "", *variants_table(earlier, new),
+        "", "## Each variant", "", *variants_table(earlier, new), *(["", f"![against]({plot})"] if plot else []),
         "", "## Each head-to-head comparison", "",
         "ΔWER is the first minus the second in WER points (negative: the first is better), * significant.", "",
         *comparisons_table(earlier, new), "",

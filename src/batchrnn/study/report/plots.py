@@ -1,5 +1,6 @@
 """The report's plots, drawn from the summary: validation WER and gradient norm by epoch, test WER
-against epoch time, peak memory, and test WER by depth when the study varies it.
+against epoch time, peak memory, test WER by depth when the study varies it, and each variant's test WER in an
+earlier study and this one (`--against`).
 """
 from collections import defaultdict
 from pathlib import Path
@@ -197,4 +198,33 @@ def wer_vs_depth(rows: list[dict], path: Path) -> None:
         ax.legend(fontsize=8)
     axes[0][0].set_ylabel("test WER %")
     fig.suptitle("Test WER by depth (mean ± std over seeds; * differs from none, Holm-adjusted)")
+    save(fig, path)
+
+
+def earlier_vs_new(pairs: list[tuple[dict | None, dict | None]], path: Path, earlier: str, new: str) -> None:
+    """Each variant's test WER in two studies, an arrow from the earlier (open marker) to the new (filled), mean ±
+    std over seeds; a panel per rnn (and its other settings but depth). pairs: (earlier row, new row), None where a
+    study lacks the variant."""
+    import matplotlib.pyplot as plt
+
+    families = list(dict.fromkeys((b or a)["family"] for a, b in pairs))
+    tallest = max(sum((b or a)["family"] == f for a, b in pairs) for f in families)
+    fig, axes = plt.subplots(1, len(families), figsize=(max(6, 5 * len(families)), 1.2 + 0.4 * tallest),
+                             squeeze=False, sharex=True)
+    for ax, family in zip(axes[0], families):
+        shown = [(a, b) for a, b in pairs if (b or a)["family"] == family]
+        for y, (a, b) in enumerate(shown):
+            color = colors().get((b or a)["bn"])
+            for row, dy, filled in ((a, -0.15, False), (b, 0.15, True)):  # earlier just above, new just below
+                if row is not None:
+                    ax.errorbar(100 * row["test_wer"], y + dy, xerr=np.nan_to_num(100 * row["test_wer_std"]), fmt="o",
+                                capsize=3, color=color, markerfacecolor=color if filled else "white")
+            if a is not None and b is not None:
+                ax.annotate("", xy=(100 * b["test_wer"], y + 0.15), xytext=(100 * a["test_wer"], y - 0.15),
+                            arrowprops=dict(arrowstyle="->", color=color, alpha=0.5))
+        ax.set_yticks(range(len(shown)), [(b or a)["variant"] for a, b in shown])
+        ax.set_ylim(len(shown) - 0.5, -0.5)  # the tables' order, top down
+        ax.set(title=family, xlabel="test WER %")
+        ax.grid(alpha=0.3, axis="x")
+    fig.suptitle(f"Test WER: {earlier} (open) to {new} (filled), mean ± std over seeds")
     save(fig, path)

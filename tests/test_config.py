@@ -1,4 +1,5 @@
 """Config composition: every variant and experiment composes; bad values fail with one clear line."""
+import re
 import subprocess
 import sys
 
@@ -54,14 +55,17 @@ def test_impossible_values_are_refused(make_config, overrides, match):
 
 
 def test_cli_refuses_bad_value_before_any_work(tmp_path):
+    """Before any work, torch's import (seconds) included, once a preset is named (without one, torch picks it by
+    the device): -X importtime lists every module the process loaded."""
     run = subprocess.run(
-        [sys.executable, str(ROOT / "src" / "run.py"), "model.hidden_size=-3", f"hydra.run.dir={tmp_path}"],
-        capture_output=True, text=True, timeout=120,
+        [sys.executable, "-X", "importtime", str(ROOT / "src" / "run.py"), "experiment=smoke", "model.hidden_size=-3",
+         f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=120,
     )
     assert run.returncode == 2
     assert "model.hidden_size=-3: must be positive" in run.stdout + run.stderr
     assert "Traceback" not in run.stderr
     assert not (tmp_path / "results.json").exists()
+    assert "| hydra" in run.stderr and not re.search(r"\|\s*torch$", run.stderr, re.M)
 
 
 def test_without_a_preset_the_machine_picks_one():

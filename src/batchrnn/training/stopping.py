@@ -20,8 +20,6 @@ import logging
 import signal
 import sys
 
-from batchrnn.training import distributed
-
 log = logging.getLogger("batchrnn")
 
 _state = {"deferring": 0, "signum": None}  # signum: a signal that came while deferring, not yet acted on
@@ -43,6 +41,8 @@ def leave(signum: int) -> None:
 def check() -> None:
     """Leave here if a signal came since the run began deferring (a no-op otherwise). With several ranks it is a
     collective (one all-reduce of the signal's number): every rank leaves here if any rank had a signal."""
+    from batchrnn.training import distributed  # here, not above: src/run.py imports this module before torch loads
+
     signum = _state["signum"] or 0
     if distributed.active():
         signum = int(distributed.largest(signum))

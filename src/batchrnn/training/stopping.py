@@ -9,6 +9,8 @@ Why not raise at once: Python runs a handler at the next bytecode of the main th
 step (a custom autograd Function's backward, AdamW's update, a checkpoint being written). Four of the pinned
 study's fourteen stops under that handler ended a run in glibc's "corrupted size vs. prev_size" abort, one of them
 in a backward pass (experiments/converged.md, the study log). A step boundary is a state the run can leave cleanly.
+That did not end those crashes: under this handler too, a SIGTERM that came during a backward pass once crashed a
+run (SIGSEGV in torch's autograd engine, before the run could leave); the cause is open (the same page).
 
 With several ranks the ranks agree: every rank calls `check()` at the same points, and all leave there if any of them
 had a signal. A signal reaches the ranks at different moments (or only one rank); a rank that left on its own would

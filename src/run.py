@@ -11,14 +11,11 @@ sweep goes on past a run that diverged or has a damaged folder and exits with th
 whichever launcher ran it (batchrnn.study.sweep).
 """
 import contextlib
-import faulthandler
 import logging
 import math
 import multiprocessing
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 
 import hydra
@@ -52,13 +49,7 @@ def main(cfg: DictConfig) -> float:
 
 
 def run(cfg: DictConfig) -> float:
-    # A crash (SIGSEGV, SIGABRT: glibc's heap checks) prints every thread's Python stack to the log first
-    # (experiments/converged.md: runs that crashed as a SIGTERM stopped them).
-    faulthandler.enable()
-    # Only where nobody else handles it: submitit's own handler turns SIGTERM into a SLURM requeue.
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    if in_main_thread and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, stopping.on_signal)  # while training, acted on between two steps
+    stopping.install()  # SIGTERM: the run leaves between two steps; signals' frames on an alternate stack
     try:
         validate(cfg)
     except ConfigError as e:

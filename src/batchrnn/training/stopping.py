@@ -1,16 +1,23 @@
 """SIGTERM (a study's stop, `kill`, a cluster's warning before preemption) ends a run between two steps.
 
-src/run.py installs `on_signal`. While a run trains (inside `deferred()`), the handler only records the signal, and
+src/run.py calls `install()`. While a run trains (inside `deferred()`), the handler only records the signal, and
 the loop calls `check()` before each batch of training and scoring: the run leaves there, exit status 128 + the
 signal, with its last complete epoch's checkpoint in place. Outside it (reading the corpus, computing features),
-the handler leaves at once, as there is nothing to finish.
+the handler leaves at once, as there is nothing to finish. Why not raise at once: Python runs a handler at the next
+bytecode of the main thread, which can be anywhere in a step (a custom autograd Function's backward, AdamW's
+update, a checkpoint being written); a step boundary is a state the run can leave cleanly.
 
-Why not raise at once: Python runs a handler at the next bytecode of the main thread, which can be anywhere in a
-step (a custom autograd Function's backward, AdamW's update, a checkpoint being written). Four of the pinned
-study's fourteen stops under that handler ended a run in glibc's "corrupted size vs. prev_size" abort, one of them
-in a backward pass (experiments/converged.md, the study log). A step boundary is a state the run can leave cleanly.
-That did not end those crashes: under this handler too, a SIGTERM that came during a backward pass once crashed a
-run (SIGSEGV in torch's autograd engine, before the run could leave); the cause is open (the same page).
+Why `install()` also gives the main thread an alternate signal stack: oneDNN's generated GEMM kernels (in torch's
+CPU LSTM and in the CPU GRU kernel, batchrnn.layers.cpu_gru) point the stack register at a heap buffer while they
+run, and the kernel writes a signal's frame below the stack register of the thread it interrupts. A signal that
+came then wrote over the heap, and the run died soon after in glibc's "corrupted size vs. prev_size" or a SIGSEGV
+(oneDNN issue 4845, fixed in oneDNN 3.11.2; torch 2.11.0's oneDNN 3.10.2 and PyPI's onednn-cpu-gomp 2023.2.0 predate
+it): 5 of the pinned study's 17 stops in sessions 17-23 and one CI's smoke run (experiments/converged.md, the
+Study log). CPython installs every handler with SA_ONSTACK, so with an alternate stack the frame goes there instead.
+`python experiments/signal_frames.py` shows both: SIGTERM every 0.5 ms crashes a GRU or an LSTM step loop within
+about a second without the alternate stack, and leaves it training, every gradient unchanged, with it. The kernel
+gives a signal sent to the process to its main thread unless that thread blocks it or already has one pending, so
+the main thread's stack is the one that matters.
 
 With several ranks the ranks agree: every rank calls `check()` at the same points, and all leave there if any of them
 had a signal. A signal reaches the ranks at different moments (or only one rank); a rank that left on its own would
@@ -18,13 +25,26 @@ end the others in an error at their next collective ("another rank ... has gone"
 once, another backend may wait for train.dist_timeout_s).
 """
 import contextlib
+import faulthandler
 import logging
 import signal
 import sys
+import threading
 
 log = logging.getLogger("batchrnn")
 
 _state = {"deferring": 0, "signum": None}  # signum: a signal that came while deferring, not yet acted on
+
+
+def install() -> None:
+    """A run process's signal set-up (src/run.py): an alternate signal stack for this thread, and `on_signal` for
+    SIGTERM, where nobody else handles it (submitit's own handler turns SIGTERM into a SLURM requeue)."""
+    # faulthandler's alternate stack (sized for this CPU's vector state) takes every signal's frame off oneDNN's
+    # kernels (above); faulthandler itself prints every thread's Python stack to the log if the run crashes
+    faulthandler.enable()
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    if in_main_thread and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, on_signal)  # while training, acted on between two steps
 
 
 def on_signal(signum: int, frame) -> None:

@@ -7,15 +7,17 @@ fixed in oneDNN 3.11.2 and 3.12 by pull request 4855; torch 2.11.0's own oneDNN 
 PyPI's onednn-cpu-gomp 2023.2.0, which the CPU GRU kernel links, predate it). Where the thread has an alternate signal
 stack and the handler was installed with SA_ONSTACK (as CPython installs every handler), the frame goes there.
 
-Each case is one child process that trains one recurrent layer at the an4_cpu shape on one thread, forward and
-backward in a loop inside batchrnn.training.stopping.deferred() (as a run trains), while this process sends it
-SIGTERM every --every-ms for --seconds. Each step's gradients are compared with the first step's (the same input
-on one thread: the same bits), so damage that does not crash shows too. The cases (--stack):
+Each case is one child process that trains one recurrent layer at the an4_cpu shape (on one thread unless
+--threads says otherwise), forward and backward in a loop inside batchrnn.training.stopping.deferred() (as a run
+trains), while this process sends it SIGTERM every --every-ms for --seconds. Each step's gradients are compared
+with the first step's (the same input on the same threads: the same bits), so damage that does not crash shows
+too. The cases (--stack):
   off  the handler alone (`signal.signal(SIGTERM, stopping.on_signal)`): the frame lands below the stack register;
   run  src/run.py's set-up (`stopping.install()`): the handler, and an alternate stack for the main thread.
 A case ends clean with exit status 143 (the run leaves on the SIGTERMs it recorded) and 0 gradients changed.
 
     python experiments/signal_frames.py [--seconds 20] [--every-ms 0.5] [--rnn gru lstm] [--stack off run]
+                                        [--threads 1]
 """
 import argparse
 import json
@@ -29,12 +31,12 @@ SHAPE = {"T": 200, "N": 16, "D": 512, "H": 256}  # an4_cpu: 64 mels -> 16 x 32 =
 CLEAN = 128 + signal.SIGTERM
 
 
-def child(rnn: str, stack: str, seconds: float) -> None:
+def child(rnn: str, stack: str, seconds: float, threads: int) -> None:
     import torch
 
     from batchrnn.training import stopping
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     if stack == "run":
         stopping.install()
     else:
@@ -68,9 +70,9 @@ def child(rnn: str, stack: str, seconds: float) -> None:
         print(json.dumps({"steps": steps, "gradients changed": changed}), flush=True)
 
 
-def case(rnn: str, stack: str, seconds: float, every_ms: float) -> dict:
+def case(rnn: str, stack: str, seconds: float, every_ms: float, threads: int) -> dict:
     """Runs one child under SIGTERMs; its exit status, the signals sent, and what it reported."""
-    proc = subprocess.Popen([sys.executable, __file__, "--child", rnn, stack, str(seconds)],
+    proc = subprocess.Popen([sys.executable, __file__, "--child", rnn, stack, str(seconds), str(threads)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if proc.stdout.readline().strip() != "ready":
         proc.wait()
@@ -97,20 +99,21 @@ def case(rnn: str, stack: str, seconds: float, every_ms: float) -> dict:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child(sys.argv[2], sys.argv[3], float(sys.argv[4]))
+        child(sys.argv[2], sys.argv[3], float(sys.argv[4]), int(sys.argv[5]))
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=20, help="how long each case trains under SIGTERMs")
     parser.add_argument("--every-ms", type=float, default=0.5, help="the pause between two SIGTERMs")
     parser.add_argument("--rnn", nargs="+", default=["gru", "lstm"], choices=["gru", "lstm"])
     parser.add_argument("--stack", nargs="+", default=["off", "run"], choices=["off", "run"])
+    parser.add_argument("--threads", type=int, default=1, help="torch's threads in each child (the study's runs: 1)")
     args = parser.parse_args()
-    print(f"shape {SHAPE}, one thread, SIGTERM every {args.every_ms} ms for up to {args.seconds:.0f} s a case",
-          flush=True)
+    print(f"shape {SHAPE}, {args.threads} thread(s), SIGTERM every {args.every_ms} ms for up to "
+          f"{args.seconds:.0f} s a case", flush=True)
     results = []
     for rnn in args.rnn:
         for stack in args.stack:
-            results.append(case(rnn, stack, args.seconds, args.every_ms))
+            results.append(case(rnn, stack, args.seconds, args.every_ms, args.threads))
             print(json.dumps(results[-1]), flush=True)
     sys.exit(0 if all(r["clean"] for r in results if r["stack"] == "run") else 1)
 

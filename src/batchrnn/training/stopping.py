@@ -9,15 +9,17 @@ update, a checkpoint being written); a step boundary is a state the run can leav
 
 Why `install()` also gives the main thread an alternate signal stack: oneDNN's generated GEMM kernels (in torch's
 CPU LSTM and in the CPU GRU kernel, batchrnn.layers.cpu_gru) point the stack register at a heap buffer while they
-run, and the kernel writes a signal's frame below the stack register of the thread it interrupts. A signal that
+run, and Linux writes a signal's frame below the stack register of the thread it interrupts. A signal that
 came then wrote over the heap, and the run died soon after in glibc's "corrupted size vs. prev_size" or a SIGSEGV
 (oneDNN issue 4845, fixed in oneDNN 3.11.2; torch 2.11.0's oneDNN 3.10.2 and PyPI's onednn-cpu-gomp 2023.2.0 predate
 it): 5 of the pinned study's 17 stops in sessions 17-23 and one CI's smoke run (experiments/converged.md, the
 Study log). CPython installs every handler with SA_ONSTACK, so with an alternate stack the frame goes there instead.
 `python experiments/signal_frames.py` shows both: SIGTERM every 0.5 ms crashes a GRU or an LSTM step loop within
-about a second without the alternate stack, and leaves it training, every gradient unchanged, with it. The kernel
-gives a signal sent to the process to its main thread unless that thread blocks it or already has one pending, so
-the main thread's stack is the one that matters.
+about a second without the alternate stack, and leaves it training, every gradient unchanged, with it. Linux
+gives a signal sent to the process to its main thread unless that thread blocks it, is exiting, or already has a
+signal pending while off the CPU, so the main thread's stack is the one that matters. The other threads (OpenMP's,
+with train.threads > 1) have none: a second signal that comes before the main thread took the first can still
+land on one of them.
 
 With several ranks the ranks agree: every rank calls `check()` at the same points, and all leave there if any of them
 had a signal. A signal reaches the ranks at different moments (or only one rank); a rank that left on its own would
@@ -39,8 +41,9 @@ _state = {"deferring": 0, "signum": None}  # signum: a signal that came while de
 def install() -> None:
     """A run process's signal set-up (src/run.py): an alternate signal stack for this thread, and `on_signal` for
     SIGTERM, where nobody else handles it (submitit's own handler turns SIGTERM into a SLURM requeue)."""
-    # faulthandler's alternate stack (sized for this CPU's vector state) takes every signal's frame off oneDNN's
-    # kernels (above); faulthandler itself prints every thread's Python stack to the log if the run crashes
+    # faulthandler's alternate stack (sized for this CPU's vector state; given to the thread that first enables it,
+    # here the main thread) takes signals' frames off oneDNN's kernels (above); and a crash prints every thread's
+    # Python stack to the log
     faulthandler.enable()
     in_main_thread = threading.current_thread() is threading.main_thread()
     if in_main_thread and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:

@@ -106,12 +106,12 @@ def case(rnn: str, stack: str, seconds: float, every_ms: float, threads: int) ->
         sent += 1
         time.sleep(every_ms / 1000)
     out, err = proc.communicate()
-    result = {"rnn": rnn, "stack": stack, "exit": proc.returncode, "clean": proc.returncode == CLEAN,
+    result = {"rnn": rnn, "stack": stack, "exit": proc.returncode,
               "SIGTERMs sent": sent, "seconds": round(time.monotonic() - began, 1)}
     reports = [line for line in out.splitlines() if line.startswith("{")]
     if reports:
         result.update(json.loads(reports[-1]))
-        result["clean"] = result["clean"] and result["gradients changed"] == 0
+    result["clean"] = proc.returncode == CLEAN and result.get("gradients changed") == 0  # no report: not clean
     if proc.returncode != CLEAN:
         result["stderr"] = " | ".join(line for line in err.splitlines()[-3:] if line.strip())
     return result

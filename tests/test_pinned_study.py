@@ -1,5 +1,7 @@
-"""experiments/pinned_study.sh: a study keeps one commit; `stop` with nothing running does nothing."""
+"""experiments/pinned_study.sh: a study keeps one commit; overrides after -- run that study; `stop` with nothing
+running does nothing."""
 import subprocess
+import time
 
 from conftest import ROOT
 
@@ -21,3 +23,47 @@ def test_a_study_folder_at_another_commit_is_refused(tmp_path):
     assert done.returncode == 2 and f"is at {first}, not {later}; a study keeps one commit" in done.stderr
     stop = subprocess.run([*script, "stop", str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=60)
     assert stop.returncode == 0 and stop.stdout == ""
+
+
+def test_overrides_after_a_double_dash_run_that_study_instead_of_make_studies(tmp_path):
+    """The pinned checkout's data is prepared for each preset named, then `python -m batchrnn.study OVERRIDES
+    --wandb` starts there (a fake .venv here records its calls), and commands.log names what ran."""
+    main, study = tmp_path / "main", tmp_path / "study"
+    git("clone", "--quiet", "--shared", str(ROOT), str(main), cwd=tmp_path)
+    (main / "experiments" / "pinned_study.sh").write_text((ROOT / "experiments" / "pinned_study.sh").read_text())
+    git("worktree", "add", "--quiet", "--detach", str(study), "HEAD", cwd=main)
+    (study / ".venv" / "bin").mkdir(parents=True)
+    (study / ".venv" / ".installed-fake").touch()
+    python = study / ".venv" / "bin" / "python"
+    python.write_text(f'#!/bin/sh\necho "$*" >> {tmp_path / "calls.log"}\n')
+    python.chmod(0o755)
+    script = ["bash", str(main / "experiments" / "pinned_study.sh")]
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "AN4_ARCHIVE": str(tmp_path / "an4.tar.gz")}
+    try:
+        done = subprocess.run([*script, git("rev-parse", "HEAD", cwd=main), str(study), "--", "experiment=an4_cpu_plateau",
+                               "model.rnn=lstm", "hydra/launcher=parallel"],
+                              capture_output=True, text=True, timeout=60, env=env)
+        assert done.returncode == 0, done.stderr
+        calls = tmp_path / "calls.log"
+        for _ in range(100):  # the study starts in the background
+            if calls.exists() and "batchrnn.study" in calls.read_text():
+                break
+            time.sleep(0.1)
+        assert calls.read_text().splitlines() == [
+            "-m batchrnn.data --preset an4_cpu_plateau --root data --features",
+            "-m batchrnn.study experiment=an4_cpu_plateau model.rnn=lstm hydra/launcher=parallel --wandb"]
+        log = (study / "commands.log").read_text()
+        assert log.endswith(": python -m batchrnn.study experiment=an4_cpu_plateau model.rnn=lstm "
+                            "hydra/launcher=parallel --wandb\n")
+    finally:
+        subprocess.run([*script, "stop", str(study)], capture_output=True, timeout=60, env=env)  # keep_results.sh
+
+
+def test_a_stray_argument_or_an_empty_double_dash_is_refused(tmp_path):
+    script = ["bash", str(ROOT / "experiments" / "pinned_study.sh")]
+    stray = subprocess.run([*script, "HEAD", str(tmp_path), "extra"], capture_output=True, text=True, timeout=60)
+    assert stray.returncode == 2 and "unexpected 'extra'" in stray.stderr
+    empty = subprocess.run([*script, "HEAD", "--"], capture_output=True, text=True, timeout=60)
+    assert empty.returncode == 2 and "nothing after --" in empty.stderr
+    stop = subprocess.run([*script, "stop", "--", "x"], capture_output=True, text=True, timeout=60)
+    assert stop.returncode == 2 and "stop takes no overrides" in stop.stderr

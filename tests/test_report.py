@@ -425,9 +425,26 @@ def test_speed_of_convergence_on_hand_made_curves(tmp_path):
     # seqwise at epochs 2 and 2 (6 s each)
     assert rows["none"][3:8] == ["40.0", "1 of 2", "≥ 3.5 ± 0.7", "≥ 7.0 ± 1.4", "3.5 ± 0.7"]
     assert rows["seqwise"][3:8] == ["40.0", "2 of 2", "2.0 ± 0.0", "6.0 ± 0.0", "3.0 ± 0.0"]
+    assert rows["none"][8] == "2.0 ± 0.0" and rows["seqwise"][8] == "1.0 ± 0.0"  # first at or below 90%
     data = json.loads((tmp_path / "report.json").read_text())
     (c,) = data["comparisons"]
     assert c["speed_winner"] == "gru-seqwise" and not c["significant"]  # the same test errors: a tie in quality
+
+
+def test_the_early_speed_column_counts_a_seed_still_blank_as_a_lower_bound(tmp_path):
+    """Epochs to 90% validation WER (out of CTC's blank phase): none's seed 2 never got there in its 4 epochs, so
+    none's mean, (3 + 4) / 2, is a lower bound; seqwise's seeds got there at epochs 1 and 2. It decides nothing:
+    the speed verdict stays the threshold's."""
+    curves = {("none", 1): [1.0, 0.95, 0.5, 0.3], ("none", 2): [1.0, 1.0, 1.0, 0.95],
+              ("seqwise", 1): [0.8, 0.4, 0.3], ("seqwise", 2): [0.95, 0.6, 0.3]}
+    for (bn, seed), val in curves.items():
+        write(tmp_path, f"{bn}{seed}", result(config(bn, seed, 1e-3), set(range(5)), val))
+    text = write_report(tmp_path).read_text()
+    assert "| epochs trained | epochs to 90% val WER |" in section(text, "Speed of convergence")
+    rows = {r[1]: r for r in table_rows(section(text, "Speed of convergence"))}
+    assert rows["none"][8] == "≥ 3.5 ± 0.7" and rows["seqwise"][8] == "1.5 ± 0.7"
+    row = next(r for r in json.loads((tmp_path / "report.json").read_text())["rows"] if r["bn"] == "none")
+    assert (row["epochs_to_words"], row["words_censored"]) == (3.5, 1)
 
 
 def test_a_stopped_seed_holds_its_last_value_in_the_validation_curve():

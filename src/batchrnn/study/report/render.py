@@ -7,8 +7,8 @@ from batchrnn.config import Impl
 from batchrnn.study.protocol import can_widen
 from batchrnn.layers import backend
 from batchrnn.study.report.stats import ALPHA, RESAMPLES
-from batchrnn.study.report.summary import (BUILDS_ON, DEPTH, DRIFT, NONE, Summary, column_name, setting_value,
-                                           shown)
+from batchrnn.study.report.summary import (BUILDS_ON, DEPTH, DRIFT, LEFT_BLANK, NONE, Summary, column_name,
+                                           setting_value, shown)
 
 FAMILY_WISE = f"a family-wise {ALPHA:.0%} level, Holm–Bonferroni"
 
@@ -323,21 +323,25 @@ def speed(summary: Summary) -> list[str]:
              "seed that failed to train does not loosen it for the group), so at least half of every variant's seeds "
              "reach it. Epochs and training seconds (epoch times summed; validation is not timed) until "
              "validation WER first reached it, mean ± std over the seeds, diverged ones included. A seed that never "
-             "reached it counts with the epochs and seconds it trained, so its row's mean is a lower bound (≥).", "",
+             "reached it counts with the epochs and seconds it trained, so its row's mean is a lower bound (≥). "
+             f"The last column, the early speed: epochs until validation WER first reached {LEFT_BLANK:.0%}, where a "
+             "CTC model has left its blank phase (blanks alone score 100%); descriptive, not a verdict.", "",
              "| " + " | ".join(head + ["threshold val WER %", "reached", "epochs to threshold",
-                                       "training s to threshold", "epochs trained"]) + " |",
-             "|" + "---|" * len(head) + "---:|" * 5]
+                                       "training s to threshold", "epochs trained",
+                                       f"epochs to {LEFT_BLANK:.0%} val WER"]) + " |",
+             "|" + "---|" * len(head) + "---:|" * 6]
     for row in summary.rows:
         lines.append("| " + " | ".join(identity(summary, row) + [
             fmt(row, "threshold", 100), seeds_cell(row, "reached"), bound(row, "epochs_to"),
-            bound(row, "seconds_to"), fmt(row, "epochs_trained")]) + " |")
+            bound(row, "seconds_to"), fmt(row, "epochs_trained"), bound(row, "epochs_to_words", "words_censored")])
+                     + " |")
     return lines
 
 
-def bound(row: dict, name: str) -> str:
-    """fmt, with ≥ before a mean that counts seeds which never reached the threshold."""
+def bound(row: dict, name: str, censored: str = "censored") -> str:
+    """fmt, with ≥ before a mean that counts seeds which never reached the threshold (row[censored] of them)."""
     s = fmt(row, name)
-    return f"≥ {s}" if row["censored"] and s != "–" else s
+    return f"≥ {s}" if row[censored] and s != "–" else s
 
 
 def depth_effect(summary: Summary) -> list[str]:

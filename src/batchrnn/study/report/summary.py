@@ -449,13 +449,19 @@ def baseline(group: list[dict], bn: str) -> dict | None:
     return next((r for r in group if r["bn"] == bn and r["impl"] == Impl.fused.value), None)
 
 
+# Validation WER at which a CTC model has left its blank phase (emitting blanks only scores 100%): the early
+# speed, which the group's threshold, set near the variants' final quality, may not tell apart
+LEFT_BLANK = 0.9
+
+
 def add_speed(group: list[dict]) -> None:
     """Speed of convergence: epochs and training seconds until validation WER first reaches the group's
     threshold, the highest of its rows' median best validation WER (median over seeds, so one seed that
     failed to train does not loosen the threshold for the whole group; at least half of every row's
     seeds reach it). A seed that never reaches it (or diverged first) is censored: it counts with the
     epochs and seconds it trained, a lower bound, so the row's mean is one too (`censored` > 0) and can
-    lose a comparison but never win it (`faster`)."""
+    lose a comparison but never win it (`faster`). Also the epochs until it first reaches LEFT_BLANK
+    (`epochs_to_words`, censored alike: `words_censored`), descriptive only."""
     bests = [statistics.median(b) for r in group
              if (b := [run["result"]["best_val_wer"] for run in r["_finished"]
                        if run["result"].get("best_val_wer") is not None])]
@@ -470,6 +476,10 @@ def add_speed(group: list[dict]) -> None:
                                                                              len(times) - reached)
         row["epochs_to"], row["epochs_to_std"] = mean_std([e for e, _ in times])
         row["seconds_to"], row["seconds_to_std"] = mean_std([s for _, s in times])
+        words = [(first_reach(run["epochs"], LEFT_BLANK) or (None,))[0] for run in row["_trained"]]
+        row["words_censored"] = sum(e is None for e in words)
+        row["epochs_to_words"], row["epochs_to_words_std"] = mean_std(
+            [len(run["epochs"]) if e is None else e for e, run in zip(words, row["_trained"])])
 
 
 # ----------------------------------------------------------------------------------------------------

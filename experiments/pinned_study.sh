@@ -82,7 +82,9 @@ else
   # as reproduce_an4.sh does: each preset's data once, before any job (two jobs would otherwise both fetch it)
   for arg in "${STUDY[@]}"; do
     [[ "$arg" != experiment=* ]] || AN4_ARCHIVE="$ARCHIVE" .venv/bin/python -m batchrnn.data \
-      --preset "${arg#experiment=}" --root data --features >> study.log 2>&1
+      --preset "${arg#experiment=}" --root data --features >> study.log 2>&1 || \
+      { echo "error: preparing the data of ${arg#experiment=} failed, so the study did not start; its" \
+             "message is at the end of $DIR/study.log" >&2; exit 1; }
   done
   AN4_ARCHIVE="$ARCHIVE" GOMP_SPINCOUNT=10000 setsid nohup .venv/bin/python -m batchrnn.study "${STUDY[@]}" --wandb \
     >> study.log 2>&1 < /dev/null &

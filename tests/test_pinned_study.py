@@ -25,9 +25,9 @@ def test_a_study_folder_at_another_commit_is_refused(tmp_path):
     assert stop.returncode == 0 and stop.stdout == ""
 
 
-def test_overrides_after_a_double_dash_run_that_study_instead_of_make_studies(tmp_path):
-    """The pinned checkout's data is prepared for each preset named, then `python -m batchrnn.study OVERRIDES
-    --wandb` starts there (a fake .venv here records its calls), and commands.log names what ran."""
+def pinned_checkout(tmp_path, data_exit: int = 0):
+    """A main clone and its pinned worktree, whose fake .venv/bin/python records its calls in calls.log (and
+    exits data_exit from `-m batchrnn.data`). Returns the script's command, the worktree and the start command."""
     main, study = tmp_path / "main", tmp_path / "study"
     git("clone", "--quiet", "--shared", str(ROOT), str(main), cwd=tmp_path)
     (main / "experiments" / "pinned_study.sh").write_text((ROOT / "experiments" / "pinned_study.sh").read_text())
@@ -35,14 +35,25 @@ def test_overrides_after_a_double_dash_run_that_study_instead_of_make_studies(tm
     (study / ".venv" / "bin").mkdir(parents=True)
     (study / ".venv" / ".installed-fake").touch()
     python = study / ".venv" / "bin" / "python"
-    python.write_text(f'#!/bin/sh\necho "$*" >> {tmp_path / "calls.log"}\n')
+    fail = f'[ "$2" != batchrnn.data ] || {{ echo "no such preset" >&2; exit {data_exit}; }}\n' if data_exit else ""
+    python.write_text(f'#!/bin/sh\necho "$*" >> {tmp_path / "calls.log"}\n{fail}')
     python.chmod(0o755)
     script = ["bash", str(main / "experiments" / "pinned_study.sh")]
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "AN4_ARCHIVE": str(tmp_path / "an4.tar.gz")}
+    start = [*script, git("rev-parse", "HEAD", cwd=main), str(study), "--", "experiment=an4_cpu_plateau",
+             "model.rnn=lstm", "hydra/launcher=parallel"]
+    return script, study, start
+
+
+def env(tmp_path) -> dict:
+    return {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "AN4_ARCHIVE": str(tmp_path / "an4.tar.gz")}
+
+
+def test_overrides_after_a_double_dash_run_that_study_instead_of_make_studies(tmp_path):
+    """The pinned checkout's data is prepared for each preset named, then `python -m batchrnn.study OVERRIDES
+    --wandb` starts there (a fake .venv here records its calls), and commands.log names what ran."""
+    script, study, start = pinned_checkout(tmp_path)
     try:
-        done = subprocess.run([*script, git("rev-parse", "HEAD", cwd=main), str(study), "--", "experiment=an4_cpu_plateau",
-                               "model.rnn=lstm", "hydra/launcher=parallel"],
-                              capture_output=True, text=True, timeout=60, env=env)
+        done = subprocess.run(start, capture_output=True, text=True, timeout=60, env=env(tmp_path))
         assert done.returncode == 0, done.stderr
         calls = tmp_path / "calls.log"
         for _ in range(100):  # the study starts in the background
@@ -55,8 +66,21 @@ def test_overrides_after_a_double_dash_run_that_study_instead_of_make_studies(tm
         log = (study / "commands.log").read_text()
         assert log.endswith(": python -m batchrnn.study experiment=an4_cpu_plateau model.rnn=lstm "
                             "hydra/launcher=parallel --wandb\n")
-    finally:
-        subprocess.run([*script, "stop", str(study)], capture_output=True, timeout=60, env=env)  # keep_results.sh
+    finally:  # pinned_study.sh started keep_results.sh there
+        subprocess.run([*script, "stop", str(study)], capture_output=True, timeout=60, env=env(tmp_path))
+
+
+def test_a_preset_whose_data_cannot_be_prepared_stops_before_the_study_and_says_where_to_look(tmp_path):
+    script, study, start = pinned_checkout(tmp_path, data_exit=2)
+    try:
+        done = subprocess.run(start, capture_output=True, text=True, timeout=60, env=env(tmp_path))
+        assert done.returncode == 1
+        assert "preparing the data of an4_cpu_plateau failed, so the study did not start" in done.stderr
+        assert f"{study}/study.log" in done.stderr and "no such preset" in (study / "study.log").read_text()
+        time.sleep(1)
+        assert "batchrnn.study" not in (tmp_path / "calls.log").read_text()
+    finally:  # pinned_study.sh started keep_results.sh there
+        subprocess.run([*script, "stop", str(study)], capture_output=True, timeout=60, env=env(tmp_path))
 
 
 def test_a_stray_argument_or_an_empty_double_dash_is_refused(tmp_path):

@@ -467,19 +467,25 @@ def add_speed(group: list[dict]) -> None:
                        if run["result"].get("best_val_wer") is not None])]
     threshold = max(bests) if bests else math.nan
     for row in group:
-        times, reached = [], 0
-        for run in row["_trained"] if bests else []:
-            at = first_reach(run["epochs"], threshold)
-            reached += at is not None
-            times.append(at or (len(run["epochs"]), sum(e.get("epoch_time_s") or 0.0 for e in run["epochs"])))
+        times, reached = reach(row["_trained"] if bests else [], threshold)
         row["threshold"], row["trained"], row["reached"], row["censored"] = (threshold, len(times), reached,
                                                                              len(times) - reached)
         row["epochs_to"], row["epochs_to_std"] = mean_std([e for e, _ in times])
         row["seconds_to"], row["seconds_to_std"] = mean_std([s for _, s in times])
-        words = [(first_reach(run["epochs"], LEFT_BLANK) or (None,))[0] for run in row["_trained"]]
-        row["words_censored"] = sum(e is None for e in words)
-        row["epochs_to_words"], row["epochs_to_words_std"] = mean_std(
-            [len(run["epochs"]) if e is None else e for e, run in zip(words, row["_trained"])])
+        words, reached = reach(row["_trained"], LEFT_BLANK)
+        row["words_censored"] = len(words) - reached
+        row["epochs_to_words"], row["epochs_to_words_std"] = mean_std([e for e, _ in words])
+
+
+def reach(runs: list[dict], threshold: float) -> tuple[list[tuple[int, float]], int]:
+    """Per run, (epoch, training seconds) at which validation WER first reached threshold, or, censored, the
+    epochs and seconds it trained; and how many of the runs reached it."""
+    times, reached = [], 0
+    for run in runs:
+        at = first_reach(run["epochs"], threshold)
+        reached += at is not None
+        times.append(at or (len(run["epochs"]), sum(e.get("epoch_time_s") or 0.0 for e in run["epochs"])))
+    return times, reached
 
 
 # ----------------------------------------------------------------------------------------------------

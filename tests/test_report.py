@@ -628,6 +628,29 @@ def test_a_stray_run_at_the_chosen_rate_stays_out_of_the_verdict(tmp_path):
     assert [(r["bn"], r["seeds"]) for r in data["rows"]] == [("none", [1, 2]), ("input", [1, 2]), ("seqwise", [1, 2])]
 
 
+def test_seeds_added_to_a_finished_study_join_its_verdict(tmp_path, caplog):
+    """A finished study run again with more seeds for one variant (protocol.seeds=[1,2,3] after [1,2]: its tuning
+    settled, it trains seqwise's seed 3 alone): one protocol, whose verdict holds the union of the seeds; the other
+    variants keep theirs, and --only seed=1,2 gives the report from before."""
+    protocol_study(tmp_path)
+    p = {"lrs": [1e-3, 3e-3], "tune_seeds": [1], "seeds": [1, 2, 3], "stage": "final"}
+    write(tmp_path, "seqwise-3", result(config("seqwise", 3, 3e-3, p), set(range(35)), [0.9, 0.3, 0.25]))
+    with caplog.at_level(logging.WARNING):
+        text = write_report(tmp_path).read_text()
+    assert not any("different protocols" in r.getMessage() for r in caplog.records)
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert [(r["bn"], r["seeds"]) for r in data["rows"]] == [("none", [1, 2]), ("input", [1, 2]),
+                                                             ("seqwise", [1, 2, 3])]
+    assert data["protocol"]["seeds"] == [1, 2, 3] and data["protocol"]["seed_lists"] == [[1, 2], [1, 2, 3]]
+    assert next(r for r in data["rows"] if r["bn"] == "seqwise")["test_wer"] == pytest.approx((1 + 1 + 7) / 300)
+    assert ("seeds of the verdict (`protocol.seeds`): 1, 2, 3 (the runs were made with [1, 2] and with [1, 2, 3], "
+            "so a row holds whichever of these seeds its variant has: its n).") in text
+
+    main([str(tmp_path), "--out", str(tmp_path / "before"), "--only", "seed=1,2"])
+    before = json.loads((tmp_path / "before" / "report.json").read_text())
+    assert [r["seeds"] for r in before["rows"]] == [[1, 2]] * 3 and before["protocol"]["seed_lists"] == [[1, 2]]
+
+
 def test_a_variant_run_on_two_kinds_of_device_is_flagged(tmp_path, caplog):
     """A study resumed on a GPU machine: seed 2 of gru-none ran again, under bf16 on CUDA. Its rate was chosen
     over the CPU's tuning runs, so the report warns, and the CUDA run is a row of its own, not a third seed."""

@@ -97,6 +97,15 @@ def header(summary: Summary) -> list[str]:
     return lines
 
 
+def grown(p: dict) -> str:
+    """Where seeds were added to a finished study: which lists its runs were made with."""
+    lists = p.get("seed_lists") or [p["seeds"]]
+    if len(lists) < 2:
+        return ""
+    return (" (the runs were made with " + " and with ".join("[" + ", ".join(map(str, s)) + "]" for s in lists)
+            + ", so a row holds whichever of these seeds its variant has: its n)")
+
+
 def protocol(summary: Summary) -> list[str]:
     p = summary.protocol
     augment = bool(p.get("tune_spec_augment"))
@@ -104,7 +113,7 @@ def protocol(summary: Summary) -> list[str]:
     lines = ["## Protocol: each variant's learning rate" + " and SpecAugment" * augment + ", chosen on validation", "",
              f"- Grid (`protocol.lrs`): {', '.join(f'{lr:g}' for lr in p['lrs'])}; tuning seeds "
              f"(`protocol.tune_seeds`): {', '.join(map(str, p['tune_seeds']))}; seeds of the verdict "
-             f"(`protocol.seeds`): {', '.join(map(str, p['seeds']))}.",
+             f"(`protocol.seeds`): {', '.join(map(str, p['seeds']))}" + grown(p) + ".",
              f"- Rule: each variant (every setting but the seed, the rate{' and SpecAugment' * augment}) keeps the "
              "rate of its grid with the "
              "lowest best validation WER, averaged over the tuning seeds (ties: the smaller rate; a diverged run "

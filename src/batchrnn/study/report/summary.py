@@ -58,7 +58,7 @@ class Summary:
     unreadable: list[str]  # results.json paths that could not be read
     duplicates: list[str]  # run folders left out: the same settings and seed as a kept one
     stopped: list[str]  # run folders whose run has no live owner: resume each with its own command
-    protocol: dict | None  # {"lrs", "tune_seeds", "seeds", "widen"} when the study tunes each variant's rate
+    protocol: dict | None  # {"lrs", "tune_seeds", "seeds", "seed_lists", "widen"} when the study tunes rates
     tuning: list[dict]  # per variant: label, by_lr {rate: mean best val WER}, the chosen lr, missing (lr, seed)
     off_grid: list[str]  # labels of rows at a rate outside their variant's grid: in no table
     columns: list[str]  # the settings that vary across rows beyond rnn, bn and impl: table columns, labels
@@ -242,18 +242,26 @@ def by_setting(records: list[dict]) -> tuple[dict, list[str]]:
 
 def protocol_of(results: list[dict]) -> dict | None:
     """The study's learning-rate protocol, when its runs were made by one (batchrnn.study.scheduler: stage tune or
-    final) with a grid; the commonest if several. Single runs of a preset that has a grid are plain runs."""
+    final) with a grid; the commonest if several. Single runs of a preset that has a grid are plain runs.
+
+    Runs that differ in protocol.seeds only are one protocol whose verdict grew seeds (a study run again with
+    protocol.seeds=[1,2,3,4,5,6] after [1,2,3]: its tuning is settled, so it trains the new seeds alone): the
+    verdict holds the union of their seeds, and `seed_lists` records each list the runs were made with."""
     protocols = [p for r in results if isinstance(p := r["config"].get("protocol"), dict) and p.get("lrs")
                  and p.get("stage", Stage.single.value) != Stage.single.value]
-    found = Counter(canonical({k: p.get(k) for k in ("lrs", "tune_seeds", "seeds")}) for p in protocols)
+    found = Counter(canonical({k: p.get(k) for k in ("lrs", "tune_seeds")}) for p in protocols)
     if not found:
         return None
     if len(found) > 1:
         log.warning("the runs carry %d different protocols; the report follows the commonest", len(found))
+    common = found.most_common(1)[0][0]
+    ours = [p for p in protocols if canonical({k: p.get(k) for k in ("lrs", "tune_seeds")}) == common]
+    seed_lists = sorted({tuple(p.get("seeds") or ()) for p in ours})
     # How far grids widen: the most any run was made under (a finished run keeps the setting it ran with, so
     # the tuning runs of a study later run with a larger protocol.widen still say the smaller); runs from
     # before the setting existed were made without widening.
-    return json.loads(found.most_common(1)[0][0]) | {
+    return json.loads(common) | {
+        "seeds": sorted(set().union(*seed_lists)), "seed_lists": [list(s) for s in seed_lists],
         "widen": max(p.get("widen", 0) for p in protocols),
         "tune_spec_augment": any(p.get("tune_spec_augment") for p in protocols)}
 

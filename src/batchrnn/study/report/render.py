@@ -99,7 +99,7 @@ def header(summary: Summary) -> list[str]:
 
 def grown(p: dict) -> str:
     """Where seeds were added to a finished study: which lists its runs were made with."""
-    lists = p.get("seed_lists") or [p["seeds"]]
+    lists = p["seed_lists"]  # protocol_of's
     if len(lists) < 2:
         return ""
     return (" (the runs were made with " + " and with ".join("[" + ", ".join(map(str, s)) + "]" for s in lists)

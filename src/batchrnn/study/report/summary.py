@@ -249,13 +249,14 @@ def protocol_of(results: list[dict]) -> dict | None:
     verdict holds the union of their seeds, and `seed_lists` records each list the runs were made with."""
     protocols = [p for r in results if isinstance(p := r["config"].get("protocol"), dict) and p.get("lrs")
                  and p.get("stage", Stage.single.value) != Stage.single.value]
-    found = Counter(canonical({k: p.get(k) for k in ("lrs", "tune_seeds")}) for p in protocols)
+    keys = [canonical({k: p.get(k) for k in ("lrs", "tune_seeds")}) for p in protocols]
+    found = Counter(keys)
     if not found:
         return None
     if len(found) > 1:
         log.warning("the runs carry %d different protocols; the report follows the commonest", len(found))
     common = found.most_common(1)[0][0]
-    ours = [p for p in protocols if canonical({k: p.get(k) for k in ("lrs", "tune_seeds")}) == common]
+    ours = [p for p, key in zip(protocols, keys) if key == common]
     seed_lists = sorted({tuple(p.get("seeds") or ()) for p in ours})
     # How far grids widen: the most any run was made under (a finished run keeps the setting it ran with, so
     # the tuning runs of a study later run with a larger protocol.widen still say the smaller); runs from

@@ -102,7 +102,7 @@ def grown(p: dict) -> str:
     lists = p["seed_lists"]  # protocol_of's
     if len(lists) < 2:
         return ""
-    return (" (the runs were made with " + " and with ".join("[" + ", ".join(map(str, s)) + "]" for s in lists)
+    return (" (the runs were made with " + " and with ".join(map(str, lists))
             + ", so a row holds whichever of these seeds its variant has: its n)")
 
 

@@ -1,7 +1,7 @@
 # `make help` lists the targets. Every target installs the virtual environment first if needed.
 PY := .venv/bin/python
 STAMP := .venv/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
-SWEEP ?= runs/an4_cpu
+SWEEP ?= runs/an4_cpu_plateau
 
 .PHONY: help venv test test-slow smoke reproduce-an4 reproduce-depth reproduce-norms studies report bench gpu-check clean
 
@@ -25,7 +25,7 @@ test-slow: $(STAMP) ## the slow lane: the real AN4 archive (AN4_ARCHIVE=path) an
 smoke: $(STAMP) ## one tiny run on a generated corpus, under a minute
 	$(PY) src/run.py experiment=smoke
 
-reproduce-an4: $(STAMP) ## AN4, the grid gru,lstm x 5 bn x SEEDS (default 1,2,3), converged protocol, the report; ARGS=hydra/launcher=parallel; SCHEDULE=exponential: the earlier study
+reproduce-an4: $(STAMP) ## AN4, the README's table: grid and norms, seeds 1-3, LSTM seeds 1-6, converged protocol, the report; ARGS=hydra/launcher=parallel; SCHEDULE=exponential: the earlier grid
 	bash experiments/reproduce_an4.sh grid $(ARGS)
 
 reproduce-depth: $(STAMP) ## DS2 Table 1's design: 1,3,5,7 layers x none,seqwise x SEEDS, the report (runs/an4_depth_plateau)
@@ -34,10 +34,10 @@ reproduce-depth: $(STAMP) ## DS2 Table 1's design: 1,3,5,7 layers x none,seqwise
 reproduce-norms: $(STAMP) ## layer and weight norm (ln, wn, ln_full) beside the grid, same protocol and folder
 	bash experiments/reproduce_an4.sh norms $(ARGS)
 
-studies: $(STAMP) ## every protocol study as one schedule, resumable: the grid, the normalisations, the depth study
+studies: $(STAMP) ## every protocol study as one schedule, resumable: the grid, the normalisations, LSTM seeds 4-6, the depth study
 	bash experiments/reproduce_an4.sh all $(ARGS)
 
-report: $(STAMP) ## rebuild report.md and plots from a sweep folder: make report SWEEP=runs/an4_cpu_plateau [ARGS=--wandb]
+report: $(STAMP) ## rebuild report.md and plots from a sweep folder (SWEEP, default runs/an4_cpu_plateau) [ARGS=--wandb]
 	$(PY) -m batchrnn.report $(SWEEP) $(ARGS)
 
 bench: $(STAMP) ## time and memory of every variant vs bn=none, about 3 minutes on 2 cores; ARGS=--quick: 10-20 s

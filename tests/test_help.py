@@ -64,8 +64,8 @@ def fake_venv(tmp_path):
     return run
 
 
-def test_make_studies_is_one_schedule_of_the_three_studies_in_order(fake_venv):
-    """The converged protocol: grid, then norms (in the grid's folder), then depth, joined by `then` in one study
+def test_make_studies_is_one_schedule_of_the_studies_in_order(fake_venv):
+    """The converged protocol: grid, then norms (in the grid's folder), then LSTM seeds 4-6, then depth, joined by `then` in one study
     call (so the later studies fill the slots the earlier leave free, and a study that ends with 2 or 3 does not
     stop the next), each with the extra overrides; each preset's data prepared once before; the study's exit status
     is the script's."""
@@ -78,7 +78,24 @@ def test_make_studies_is_one_schedule_of_the_three_studies_in_order(fake_venv):
     grid = "experiment=an4_cpu_plateau model.rnn=gru,lstm model.bn="
     assert groups == [grid + "none,post,input,skip,seqwise hydra/launcher=parallel",
                       grid + "ln,wn,ln_full hydra/launcher=parallel",
+                      LSTM6 + " hydra/launcher=parallel",
                       "experiment=an4_depth_plateau hydra/launcher=parallel"]
+
+
+LSTM6 = ("experiment=an4_cpu_plateau model.rnn=lstm model.bn=none,post,input,skip,seqwise,ln,wn,ln_full "
+         "protocol.seeds=[1,2,3,4,5,6]")
+
+
+def test_make_reproduce_an4_runs_every_study_of_the_readmes_table(fake_venv):
+    """The README's headline table: the grid and the norms with seeds 1-3, and every LSTM variant with seeds 1-6.
+    SEEDS changes the first two only; LSTM_SEEDS the third."""
+    code, ran = fake_venv("grid")
+    groups = ran[-1].removeprefix("study -m batchrnn.study ").removesuffix(" --wandb").split(" then ")
+    grid = "experiment=an4_cpu_plateau model.rnn=gru,lstm model.bn="
+    assert code == 0 and groups == [grid + "none,post,input,skip,seqwise", grid + "ln,wn,ln_full", LSTM6]
+    _, ran = fake_venv("grid", SEEDS="1", LSTM_SEEDS="1,4")
+    groups = ran[-1].removeprefix("study -m batchrnn.study ").removesuffix(" --wandb").split(" then ")
+    assert groups[0].endswith("protocol.seeds=[1]") and groups[2].endswith("protocol.seeds=[1,4]")
 
 
 def test_the_earlier_exponential_studies_still_run(fake_venv):

@@ -7,6 +7,7 @@ import os
 import time
 
 import matplotlib.image
+import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
@@ -16,7 +17,7 @@ from batchrnn.study.report.__main__ import main
 from batchrnn.study.report.against import reading
 from batchrnn.study.report import plots
 from batchrnn.study.report.plots import DEPTH_PLOT, series
-from batchrnn.study.report.stats import first_reach, holm, paired_bootstrap, utterance_errors
+from batchrnn.study.report.stats import detectable, first_reach, holm, paired_bootstrap, utterance_errors
 from batchrnn.study.report.summary import DRIFT
 
 PLOTS = ("val_wer.png", "wer_vs_time.png", "peak_mem.png", "grad_norm.png")  # every report draws these
@@ -163,6 +164,21 @@ def test_one_failed_seed_is_not_a_significant_difference():
     # The same difference made by every seed is significant, and its p-value is as small as the resamples allow.
     d = paired_bootstrap([errors_with(40)] * 3, none)
     assert d.dwer == pytest.approx(30 / 500) and 0 < d.lo < d.dwer < d.hi and d.p < 0.001
+
+
+def test_the_detectable_difference_is_the_bootstraps_standard_error_times_the_two_quantiles():
+    """One seed a side, 400 one-word utterances, each wrong with probability 0.2 independently on each side:
+    the paired difference's standard error is sqrt(2 x 0.2 x 0.8 / 400) = 0.0283, so at 80% power with Holm
+    over 4 the detectable difference is (2.498 + 0.842) x 0.0283 = 0.0945; over 1, (1.960 + 0.842) x 0.0283."""
+    rng = np.random.default_rng(1)
+    a, b = ({str(u): (int(w), 1) for u, w in enumerate(rng.random(400) < 0.2)} for _ in range(2))
+    se = float(np.sqrt(2 * 0.2 * 0.8 / 400))
+    assert detectable([a], [b], tests=4) == pytest.approx(3.340 * se, rel=0.12)
+    assert detectable([a], [b], tests=1) / detectable([a], [b], tests=4) == pytest.approx(2.802 / 3.340, rel=1e-3)
+    # Seeds that disagree widen it: the seed level of the bootstrap counts their spread.
+    worse = {u: (1, 1) for u in a}
+    assert detectable([a, worse], [b, b], tests=4) > 2 * detectable([a, a], [b, b], tests=4)
+    assert detectable([{}], [b], tests=4) is None
 
 
 def test_holm_on_a_hand_worked_example():

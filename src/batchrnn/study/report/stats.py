@@ -1,7 +1,9 @@
 """The report's statistics: mean and std over seeds, the paired two-level bootstrap with its p-value,
-Holm's correction for a family of comparisons, and when a validation curve first reaches a threshold.
+Holm's correction for a family of comparisons, the smallest difference a comparison could detect, and when a
+validation curve first reaches a threshold.
 """
 import math
+from statistics import NormalDist
 from typing import NamedTuple
 
 import jiwer
@@ -42,9 +44,19 @@ class Difference(NamedTuple):
 
 
 def paired_bootstrap(a: list[dict], b: list[dict]) -> Difference | None:
-    """a's WER minus b's and its bootstrap distribution, from each seed's utterance_errors. Each resample
-    draws each side's seeds with replacement, then the test utterances, the same ones for both sides.
+    """a's WER minus b's and its 95% interval and p, from each seed's utterance_errors (resampled_differences).
     None when the two share no scored utterance."""
+    if (drawn := resampled_differences(a, b)) is None:
+        return None
+    dwer, diffs = drawn
+    lo, hi = np.percentile(diffs, [2.5, 97.5])
+    return Difference(dwer, float(lo), float(hi), bootstrap_p(diffs))
+
+
+def resampled_differences(a: list[dict], b: list[dict]) -> tuple[float, np.ndarray] | None:
+    """a's WER minus b's, and its bootstrap distribution (RESAMPLES values). Each resample draws each side's
+    seeds with replacement, then the test utterances, the same ones for both sides. None when the two share
+    no scored utterance."""
     a, b = [e for e in a if e], [e for e in b if e]  # a run without per-utterance outputs cannot be paired
     if not a or not b:
         return None
@@ -63,9 +75,20 @@ def paired_bootstrap(a: list[dict], b: list[dict]) -> Difference | None:
     ma = np.take_along_axis(ea[sa].mean(1), idx, axis=1).sum(1)  # (resamples,) word errors
     mb = np.take_along_axis(eb[sb].mean(1), idx, axis=1).sum(1)
     diffs = (ma - mb) / np.maximum(ref[idx].sum(1), 1.0)
-    lo, hi = np.percentile(diffs, [2.5, 97.5])
-    return Difference(float((ea.mean(0).sum() - eb.mean(0).sum()) / max(ref.sum(), 1.0)), float(lo), float(hi),
-                      bootstrap_p(diffs))
+    return float((ea.mean(0).sum() - eb.mean(0).sum()) / max(ref.sum(), 1.0)), diffs
+
+
+def detectable(a: list[dict], b: list[dict], tests: int, power: float = 0.8) -> float | None:
+    """The smallest true |ΔWER| (a fraction) that a comparison of this many seeds and this seed and utterance
+    variance would find significant with probability `power`, when Holm's correction counts `tests`
+    comparisons. Normal approximation: (z(1 - ALPHA / (2 tests)) + z(power)) x the standard error, the
+    standard deviation of the same two-level bootstrap as paired_bootstrap's. ALPHA / tests is Holm's first
+    step, the level a comparison must meet when the family's other differences are null, so this is the
+    detectable difference of a comparison that stands alone in its family. None when the two cannot be paired."""
+    if (drawn := resampled_differences(a, b)) is None:
+        return None
+    z = NormalDist().inv_cdf
+    return (z(1 - ALPHA / (2 * tests)) + z(power)) * float(drawn[1].std(ddof=1))
 
 
 def bootstrap_p(diffs: np.ndarray) -> float:

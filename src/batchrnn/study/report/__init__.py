@@ -3,11 +3,14 @@ report.md and report.json (render), the plots (plots) and the W&B report run (wa
 
     python -m batchrnn.report SWEEP_DIR [--out DIR] [--only SETTING=V1,V2 ...] [--against EARLIER_DIR] [--wandb]
 """
+import os
 from pathlib import Path
 
 from batchrnn.config import LoggerMode
 from batchrnn.study.report import against as versus, plots, render
 from batchrnn.study.report.summary import build
+
+GUIDE = Path(__file__).resolve().parents[4] / "docs" / "report.md"  # what each report's legend links to
 
 
 def write_report(sweep_dir: Path, out_dir: Path | None = None, wandb: LoggerMode | None = None,
@@ -24,7 +27,7 @@ def write_report(sweep_dir: Path, out_dir: Path | None = None, wandb: LoggerMode
     out_dir.mkdir(parents=True, exist_ok=True)
     drawn = plots.draw(summary, out_dir)
     path = out_dir / "report.md"
-    path.write_text(render.markdown(summary, drawn))
+    path.write_text(render.markdown(summary, drawn, os.path.relpath(GUIDE, out_dir.resolve())))
     report = render.as_json(summary, drawn)
     (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     if earlier is not None:

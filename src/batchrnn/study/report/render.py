@@ -6,42 +6,23 @@ import math
 from batchrnn.config import Impl
 from batchrnn.study.protocol import can_widen
 from batchrnn.layers import backend
-from batchrnn.study.report.stats import ALPHA, RESAMPLES
-from batchrnn.study.report.summary import (BUILDS_ON, DEPTH, DRIFT, LEFT_BLANK, NONE, Summary, column_name,
+from batchrnn.study.report.stats import ALPHA
+from batchrnn.study.report.summary import (BUILDS_ON, DEPTH, LEFT_BLANK, NONE, Summary, column_name,
                                            setting_value, shown)
 
 FAMILY_WISE = f"a family-wise {ALPHA:.0%} level, Holm–Bonferroni"
 
-HOW_TO_READ = f"""\
-Each row is one setting: every setting that can change a result except the seed (rnn, BN placement,
-implementation, and whatever else differs between the rows, named in the row's label and columns:
-depth, learning rate, sizes). Values are the mean ± sample std over its n finished seeds (no ± for a
-single seed); a row never holds a seed twice. Test WER is that of the epoch with the best validation
-WER; the best test WER of each group (an rnn with its depth and other settings) is in bold. "+k
-diverged" after n: k more seeds of that setting diverged, so they have no test WER and are in no mean.
-†k after n: k of the n runs reached the epoch cap (or, under train.schedule=plateau, the rate's floor) while
-validation was still improving, so they may not have converged; comparisons involving them say so (a † beside a
-ΔWER). Train loss is the training loss at the tested epoch: a variant whose test WER trails with a higher train
-loss is underfit, not beaten at convergence. Time and memory ratios divide by the `none` row of the
-same group: measured in this sweep on one machine, they rank the variants' costs only while the machine's
-speed holds steady over the sweep (the report warns below the table when one setting's seeds took epochs
-more than {DRIFT - 1:.0%} apart; `make bench` interleaves the variants and measures their cost in one run), and
-they do not transfer to other hardware (peak memory is CUDA max allocated on a GPU, process peak RSS on the
-CPU).
-
-ΔWER is the first variant minus the second in WER points (each test utterance's word errors averaged
-over seeds), with a 95% interval from a two-level bootstrap ({RESAMPLES:,} resamples): each draws both
-variants' seeds with replacement, then the test utterances, the same ones for both; so the interval
-holds seed-to-seed variation as well as the test set's (with one seed, only the latter). p is two-sided,
-from the same resamples: twice the share of resamples on the far side of 0, (k + 1) / (B + 1), the
-smallest level at which the percentile interval would exclude 0. Every comparison of the report is one
-family: p is adjusted by Holm–Bonferroni's step-down method, and a difference is significant (*) when
-the adjusted p is below {ALPHA}. The intervals are not adjusted.
-"""
+# The legend: every rule behind it is in docs/report.md ("How to read"), which the report links to.
+LEGEND = """\
+Rows: mean ± std over a setting's n seeds at its chosen settings; bold: each group's best test WER; †k: k runs
+stopped at the cap or floor still improving; +k diverged: seeds with no test WER. ΔWER: first minus second, WER
+points, 95% interval from a two-level bootstrap (seeds, then test utterances); *: significant after Holm."""
 
 
-def markdown(summary: Summary, plots: list[str]) -> str:
-    lines = header(summary) + ["", "## How to read", "", HOW_TO_READ]
+def markdown(summary: Summary, plots: list[str], guide: str = "docs/report.md") -> str:
+    """report.md; guide: the path of docs/report.md as a link from where the report is written."""
+    lines = header(summary) + ["", "## How to read", "", LEGEND,
+                               f"Every column and rule: [docs/report.md]({guide}#how-to-read).", ""]
     if summary.protocol:
         lines += protocol(summary)
     lines += ["## Quality at convergence", ""]
@@ -239,7 +220,7 @@ def results_table(summary: Summary) -> list[str]:
                   f"did the same work on one machine at speeds up to {summary.drift[0]['ratio']:.2f}x apart "
                   f"({spread}), so its speed changed while the study ran, and the time column and its ratios mix "
                   "when a run ran with the variant's cost, in every row (seeds that all ran in one slow spell agree, "
-                  "so no row is known to be clean); the cost is `make bench`'s (How to read)."]
+                  "so no row is known to be clean); the cost is `make bench`'s (docs/report.md)."]
     return lines
 
 

@@ -4,12 +4,15 @@ import copy
 import json
 import logging
 import os
+import re
 import time
 
 import matplotlib.image
 import numpy as np
 import pytest
 from omegaconf import OmegaConf
+
+from conftest import ROOT
 
 from batchrnn.config import Config
 from batchrnn.study.report import write_report
@@ -105,6 +108,11 @@ def test_report(sweep, tmp_path, caplog):
     assert "12 finished, 1 still running, 1 diverged" in text and "1 unreadable" in text
     assert "Protocol" not in text  # a plain sweep: every row is in the results table
     assert "Epoch times drifted" not in text  # seeds' epoch times at most 1.11x apart
+    # "How to read" is a legend of three lines and a link to docs/report.md, which holds every rule
+    legend = section(text, "How to read").strip().splitlines()
+    guide = re.search(r"\]\(([^)#]+)#how-to-read\)", legend[-1]).group(1)
+    assert len(legend) == 4 and (path.parent / guide).resolve() == (ROOT / "docs" / "report.md").resolve()
+    assert "## How to read" in (ROOT / "docs" / "report.md").read_text()
 
     rows = table_rows(section(text, "Quality at convergence"))
     # lstm-none's seed 3 diverged: in no mean, but said beside n

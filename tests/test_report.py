@@ -1,6 +1,7 @@
 """The study report on generated results: known WERs, times, memory and validation curves, so every number
 the report prints can be checked by hand."""
 import copy
+import importlib.util
 import json
 import logging
 import os
@@ -215,6 +216,20 @@ def test_missing_sweep_is_one_clear_error(tmp_path, capsys):
         assert exit.value.code == 2  # as every entry point exits on a problem the user can fix
         err = capsys.readouterr().err
         assert err.startswith(f"error: {tmp_path / folder}: {message}") and err.count("\n") == 1
+
+
+def test_the_power_script_prints_each_comparison_of_the_report(depth_sweep, capsys):
+    """experiments/detectable.py reads a study as the report does: one line per comparison (here `seqwise` against
+    `none` at each of 2 depths, a family of 2), with its n and the detectable difference at 80% power."""
+    spec = importlib.util.spec_from_file_location("detectable", ROOT / "experiments" / "detectable.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main([str(depth_sweep)])
+    out = capsys.readouterr().out
+    assert "2 comparisons (Holm's family), 80% power" in out
+    lines = [line for line in out.splitlines() if line.startswith("| gru")]
+    assert [line.split(" | ")[0] for line in lines] == ["| gru-L1: seqwise vs none", "| gru-L3: seqwise vs none"]
+    assert all(float(line.strip(" |").split(" | ")[-1]) > 0 for line in lines)
 
 
 @pytest.fixture

@@ -12,13 +12,14 @@ from torch import nn
 from batchrnn.layers import cpu_gru
 from batchrnn.model import build_recurrent_layer
 from batchrnn.layers import LAYERS
+from conftest import FUSED_MODES
 from batchrnn.layers.base import KERNEL_WEIGHTS
 
 LENGTHS = torch.tensor([23, 17, 9, 2])  # ragged, the longest first as the trainer's buckets are not
 T, N, D, H = 23, 4, 19, 16
-# Every variant whose impl=fused route calls the fused kernel; the issue names these seven (written out: a variant
-# that stopped calling the kernel fails test_the_fused_variants_are_the_seven).
-FUSED = ["input", "ln", "none", "post", "seqwise", "skip", "wn"]
+# Every variant whose impl=fused route calls the fused kernel: every variant but conftest's written-out step loops (a
+# variant that stopped calling the kernel fails test_the_fused_variants_are_the_seven).
+FUSED = sorted(FUSED_MODES)
 # Where the kernel is missing, test_the_kernel_is_built says so (on Linux x86-64 it fails); the rest need it.
 needs_kernel = pytest.mark.skipif(not cpu_gru.available(), reason="the oneDNN GRU is not built here")
 VARIANTS = [pytest.param(b, {}, id=b) for b in FUSED] + [

@@ -35,7 +35,7 @@ from batchrnn.study.sweep import STOP_FILE
 from batchrnn.training.identity import run_name
 from batchrnn.training import distributed, loop, stopping
 from batchrnn.training.loop import TrainingDiverged, train
-from conftest import ROOT
+from conftest import BN_MODES, ROOT
 from wandb_offline import read_offline_run
 
 pytestmark = pytest.mark.filterwarnings("ignore:AN4 archive of unknown checksum", "ignore:.*skipping",
@@ -270,8 +270,7 @@ def test_label_too_long_for_ctc_is_left_out_counted_and_logged(handled):
 # -- config ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("key,value,allowed", [("model.rnn", "transformer", "[gru, lstm, rnn]"),
-                                               ("model.bn", "layer",
-                                                "[none, post, input, skip, seqwise, ln, ln_full, wn, rbn]")])
+                                               ("model.bn", "layer", f"[{', '.join(BN_MODES)}]")])
 def test_unknown_variant_on_the_command_line(tmp_path, key, value, allowed):
     run = cli(f"{key}={value}", f"hydra.run.dir={tmp_path / 'run'}", timeout=60)
     assert run.returncode != 0 and "Traceback" not in run.stderr

@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import BENCH_ROWS, ROOT
 
 STEPS = ["prepare", "pytest-gpu", "bench-bf16", "train", "bench-fp32"]
 
@@ -38,10 +38,7 @@ def test_dry_run_records_every_planned_step_without_wandb(tmp_path, smoke_root):
         assert f"| {step} | ok |" in table
     steps = {r["step"]: r for r in records}
     assert steps["pytest-gpu"]["counts"]["skipped"] > 0 and "failed" not in steps["pytest-gpu"]["counts"]
-    variants = [(rnn, bn, impl) for rnn in ("gru", "lstm") for bn, impl in
-                [("none", "fused"), ("post", "fused"), ("input", "fused"), ("skip", "fused"), ("seqwise", "fused"),
-                 ("ln", "fused"), ("wn", "fused"), ("seqwise", "cells"), ("ln_full", "fused"),
-                 ("rbn", "fused")]]
+    variants = [(rnn, bn, impl) for rnn in ("gru", "lstm") for bn, impl in BENCH_ROWS]
     for name, amp in (("bench-bf16", True), ("bench-fp32", False)):
         assert [(r["rnn"], r["bn"], r["impl"]) for r in steps[name]["rows"]] == variants
         assert all(r["amp"] is amp and r["ms"] > 0 for r in steps[name]["rows"])

@@ -16,6 +16,7 @@ from batchrnn.model import build_recurrent_layer
 from batchrnn.layers import LAYERS
 from batchrnn.layers.base import GATES, affine, cell_loop, fused_recurrence, valid_mask
 from batchrnn.layers.folds import Gram, MaskedBatchNorm, QuadraticForm, cheaper_route, projected_moments
+from conftest import BN_MODES, STEP_LOOPS
 
 T, N, D, H = 9, 3, 5, 4
 LENGTHS = torch.tensor([9, 5, 2])
@@ -35,8 +36,9 @@ def layer(rnn, bn, seed=0, **kw):
 def test_every_bn_mode_has_a_layer_class():
     assert set(LAYERS) == set(BNMode)
     assert all(Impl.fused in c.impls for c in LAYERS.values()), "model.impl's default must build every variant"
-    # written out, so that the tests parametrised by them cannot shrink with the code they test
-    assert [b.value for b in BNMode] == ["none", "post", "input", "skip", "seqwise", "ln", "ln_full", "wn", "rbn"]
+    # written out (conftest.BN_MODES), so that the tests parametrised by them cannot shrink with the code they test
+    assert [b.value for b in BNMode] == BN_MODES
+    assert [b.value for b, c in LAYERS.items() if not c.fused] == STEP_LOOPS
     assert [r.value for r in RNNType] == ["gru", "lstm", "rnn"]
     assert [b.value for b, c in LAYERS.items() if Impl.cells in c.impls] == ["seqwise", "ln", "wn"]
     assert [b.value for b, c in LAYERS.items() if "share_input_weights" in c.switches] == [

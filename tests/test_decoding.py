@@ -1,12 +1,24 @@
 """Decoding with a word language model: the Kneser-Ney estimator against an independent computation, the beam
 decoder on a hand-made case, the settings' errors, the tuning's cache, and greedy left as it was."""
-import math
+import json
 import random
 from collections import defaultdict
 
 import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
+from batchrnn.config import DecodeConfig, to_container
+from batchrnn.data.text import BLANK, INDEX, LABELS, greedy_decode
+from batchrnn.decoding.beam import BeamSearch, DecodeError, LanguageModel, check
 from batchrnn.decoding.lm import BOS, EOS, FALLBACK_DISCOUNT, KneserNey, build
+from batchrnn.decoding import tuning
+from batchrnn.decoding.tuning import tune
+from batchrnn.training.identity import run_name
+from batchrnn.training.loop import train
+from batchrnn.training.rundir import BEST, RESULTS
+from conftest import ROOT
 
 WORDS = ["YES", "NO", "GO", "STOP", "ONE", "TWO", "THREE", "ENTER", "RUBOUT", "ERASE", *(f"W{i}" for i in range(50))]
 
@@ -127,3 +139,115 @@ def test_the_built_file_is_named_by_its_content(tmp_path):
     assert build(corpus(), tmp_path) == first
     assert build(corpus(seed=1), tmp_path) != first
     assert len(list(tmp_path.iterdir())) == 2
+
+
+# -----------------------------------------------------------------------------
+# the beam search
+
+
+def spelled(frames: list[dict[str, float]]) -> torch.Tensor:
+    """Log-probabilities (T, classes): each frame's named tokens get their probability, the rest share what is left."""
+    rows = []
+    for frame in frames:
+        row = torch.full((len(LABELS),), (1 - sum(frame.values())) / (len(LABELS) - len(frame)))
+        for c, p in frame.items():
+            row[INDEX[c]] = p
+        rows.append(row.log())
+    return torch.stack(rows)
+
+
+def go_ho_e(p_p: float, p_m: float) -> torch.Tensor:
+    """'GO HO?E' with P and M in doubt, blanks between letters."""
+    letters = [{c: 0.9} for c in "GO HO"] + [{"P": p_p, "M": p_m}, {"E": 0.9}]
+    return spelled([f for letter in letters for f in (letter, {BLANK: 0.9})])
+
+
+@pytest.fixture
+def home_lm(tmp_path):
+    """A lexicon of three words and an LM in which HOME follows GO and HOPE never does."""
+    return LanguageModel(build(["GO HOME"] * 20 + ["HOPE"] * 2 + ["GO"], tmp_path), "", ["GO", "HOME", "HOPE"],
+                         built=True)
+
+
+def test_the_lm_overturns_greedys_word(home_lm):
+    e = go_ho_e(0.55, 0.4)
+    assert greedy_decode(e[:, None], torch.tensor([e.shape[0]])) == ["GO HOPE"]
+    search = BeamSearch(home_lm, beam_size=10)
+    assert search([e], lm_weight=0.0, word_score=0.0) == ["GO HOPE"]  # the acoustics alone: greedy's word
+    assert search([e], lm_weight=1.0, word_score=0.0) == ["GO HOME"]  # the LM's
+
+
+def test_tuning_chooses_on_validation_and_decodes_test_once(home_lm):
+    search = BeamSearch(home_lm, beam_size=10)
+    calls = []
+    counting = lambda e, a, b: calls.append((len(e), a, b)) or search(e, a, b)  # noqa: E731
+    val = ([go_ho_e(0.55, 0.4)] * 2, ["GO HOME"] * 2)
+    test = ([go_ho_e(0.6, 0.35)], ["GO HOPE"], ["t1"])
+    out = tune(counting, val, test, [(0.0, 0.0), (1.0, 0.0), (2.0, 0.0)])
+    assert (out["lm_weight"], out["word_score"]) == (1.0, 0.0)  # 1 and 2 tie at 0% WER: the earlier point
+    assert [g["val_wer"] for g in out["grid"]] == [0.5, 0.0, 0.0]
+    assert calls[-1] == (1, 1.0, 0.0) and all(n == 2 for n, _, _ in calls[:-1])  # test once, at the choice
+    assert out["test_wer"] == 0.5 and out["test_utterances"] == [{"id": "t1", "ref": "GO HOPE", "hyp": "GO HOME"}]
+
+
+def test_an_unreadable_lm_is_refused_when_the_decoder_loads_it(home_lm, tmp_path):
+    (tmp_path / "x.arpa").write_text("not a language model\n")
+    search = BeamSearch(LanguageModel(tmp_path / "x.arpa", "", home_lm.words, built=False), beam_size=10)
+    with pytest.raises(DecodeError, match=r"x.arpa: KenLM cannot read it .*; give a KenLM ARPA or binary file"):
+        search([go_ho_e(0.55, 0.4)], 1.0, 0.0)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"lm": "lm.arpa"}, r"^decode.lm=lm.arpa: greedy decoding uses no language model; add decode.decoder=beam, or "
+                        r"drop decode.lm$"),
+    ({"decoder": "beam", "lm": "missing.arpa"}, r"^decode.lm=missing.arpa: no such file or directory; give a KenLM "
+                                                r"ARPA or binary file, or drop decode.lm"),
+    ({"decoder": "beam", "lexicon": "words.txt"}, r"^decode.lexicon=words.txt:3: 'NO-GO' has characters outside the "
+                                                  r"model's alphabet \('-'\); .*: correct or delete the line$"),
+])
+def test_settings_that_cannot_work_are_named_with_their_fix(settings, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "words.txt").write_text("YES\nNO\nNO-GO\n")
+    with pytest.raises(DecodeError, match=message):
+        check(OmegaConf.merge(OmegaConf.structured(DecodeConfig), settings))
+
+
+# -----------------------------------------------------------------------------
+# a trained run decoded both ways
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, smoke_root):
+    """The smoke run trained twice, greedy only and with the beam decoder set: (config, folder, results) each."""
+    out = {}
+    for decoder in ("greedy", "beam"):
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=["experiment=smoke", f"data.root={smoke_root}",
+                                                           f"decode.decoder={decoder}"])
+        folder = tmp_path_factory.mktemp(decoder) / run_name(to_container(cfg))
+        out[decoder] = cfg, folder, train(cfg, folder)
+    return out
+
+
+def test_greedy_results_are_the_same_with_the_beam_decoder_set(runs):
+    (_, greedy_dir, greedy), (_, beam_dir, beam) = runs["greedy"], runs["beam"]
+    assert greedy_dir.name == beam_dir.name  # decoding is no part of the run's identity
+    timing = ("epoch_time_s", "peak_mem_mb")
+    strip = lambda r: {k: v for k, v in r.items() if k not in ("config", "lm", *timing)}  # noqa: E731
+    assert [{k: v for k, v in e.items() if k not in (*timing, "utt_per_s")} for e in greedy["epochs"]] == \
+        [{k: v for k, v in e.items() if k not in (*timing, "utt_per_s")} for e in beam["epochs"]]
+    assert strip(greedy) | {"epochs": None} == strip(beam) | {"epochs": None}
+    assert "lm" not in greedy and "lm" not in json.loads((greedy_dir / RESULTS).read_text())
+    lm = json.loads((beam_dir / RESULTS).read_text())["lm"]
+    assert lm == beam["lm"] and len(lm["grid"]) == 28 and len(lm["test_utterances"]) == len(beam["test_utterances"])
+    assert lm["lm"] == f"kn3-{lm['lm_sha256'][:16]}.arpa" and lm["lm_built"]
+
+
+def test_the_hypotheses_are_cached_beside_the_model(runs, monkeypatch):
+    cfg, folder, results = runs["beam"]
+    monkeypatch.setattr(tuning, "tune", lambda *a, **k: pytest.fail("decoded again despite the cache"))
+    assert tuning.decode_run(folder / BEST, cfg.decode, cfg.data) == results["lm"]
+    narrower = OmegaConf.merge(cfg.decode, {"lm_weights": [0.0, 1.0]})  # another grid: another key, decoded again
+    monkeypatch.undo()
+    other = tuning.decode_run(folder / BEST, narrower, cfg.data)
+    assert len(other["grid"]) == 8 and len(list(folder.glob("decode-*.json"))) == 2

@@ -1,6 +1,7 @@
 """Use a trained model: re-score a run's best checkpoint on a split, or transcribe audio files with it.
 
     python -m batchrnn.evaluate score runs/smoke/gru-seqwise-L2-lr0.003-s0-<hash> --split test --out hyps.json
+    python -m batchrnn.evaluate score runs/smoke/gru-seqwise-L2-lr0.003-s0-<hash> --split test --decoder beam
     python -m batchrnn.evaluate transcribe runs/smoke/gru-seqwise-L2-lr0.003-s0-<hash>/best.pt a.sph b.wav
 """
 import argparse
@@ -12,10 +13,11 @@ import soundfile as sf
 import torch
 
 from batchrnn.training.checkpoint import CheckpointError, load_model, typed
-from batchrnn.config import AN4_ARCHIVE_ENV, ConfigError, DataConfig, TrainConfig
+from batchrnn.config import AN4_ARCHIVE_ENV, ConfigError, DataConfig, DecodeConfig, Decoder, TrainConfig
 from batchrnn.data.corpus import SAMPLE_RATE, DataError, prepare_corpus, read_audio
 from batchrnn.data.features import Featurizer, load_features
 from batchrnn.data.manifest import content_sha256, manifests
+from batchrnn.decoding.beam import check
 from batchrnn.storage import write_json
 from batchrnn.data.text import greedy_decode
 from batchrnn.training.device import pick_device, uses_bf16
@@ -49,7 +51,20 @@ def uses_amp(info: dict, device: torch.device) -> bool:
     return uses_bf16(typed(TrainConfig, info["config"]["train"]), device)
 
 
+def decode_config(args) -> DecodeConfig:
+    """--decoder and its settings; the grid is the schema's (decode.lm_weights, decode.word_scores)."""
+    for flag, value in (("--lm", args.lm), ("--lexicon", args.lexicon)):
+        if value and args.decoder == Decoder.greedy.value:
+            raise UsageError(f"{flag} {value}: greedy decoding uses no language model; add --decoder beam, or drop "
+                             f"{flag}")
+    cfg = DecodeConfig(decoder=Decoder(args.decoder), lm=args.lm or "", lexicon=args.lexicon or "",
+                       beam_size=args.beam_size)
+    check(cfg)
+    return cfg
+
+
 def score_split(args) -> None:
+    decoding = decode_config(args)  # before the model loads: a wrong setting fails at once
     path, device = checkpoint_path(args.checkpoint), pick_device(args.device)
     model, info = load_model(path, device)
     cfg = data_config(info, args.data_root)
@@ -61,8 +76,17 @@ def score_split(args) -> None:
     result = score(model, fs, info["config"]["train"]["batch_size"], device, uses_amp(info, device), progress=True)
     print(f"{path}: {args.split} WER {100 * result['wer']:.2f}%, CER {100 * result['cer']:.2f}%, "
           f"{len(fs)} utterances (best epoch {info.get('epoch')})")
+    lm = None
+    if Decoder(decoding.decoder) is Decoder.beam:
+        from batchrnn.decoding.tuning import decode_run  # loads torchaudio's decoder: only where a beam is asked for
+
+        lm = decode_run(path, decoding, cfg, device, progress=True)
+        wer, cer = (lm["test_wer"], lm["test_cer"]) if args.split == "test" else (lm["val_wer"], lm["val_cer"])
+        print(f"{path}: {args.split} WER {100 * wer:.2f}%, CER {100 * cer:.2f}% with the LM {lm['lm']} (sha256 "
+              f"{lm['lm_sha256'][:16]}, beam {lm['beam_size']}; LM weight {lm['lm_weight']:g}, word score "
+              f"{lm['word_score']:g}, chosen on validation over {len(lm['grid'])} points)")
     if args.out:
-        write_json(args.out, {"checkpoint": str(path), "split": args.split, **result})
+        write_json(args.out, {"checkpoint": str(path), "split": args.split, **result} | ({"lm": lm} if lm else {}))
 
 
 def read_any_audio(path: str) -> torch.Tensor:
@@ -106,6 +130,12 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--split", choices=["val", "test"], default="test")
     s.add_argument("--data-root", help="folder of the prepared corpus (default: the run's data.root)")
     s.add_argument("--out", type=Path, help="also write the scores and every utterance's hypothesis here (JSON)")
+    s.add_argument("--decoder", choices=[d.value for d in Decoder], default=Decoder.greedy.value,
+                   help="beam: also decode with a word LM, tuned on validation (docs/decoding.md)")
+    s.add_argument("--lm", help="--decoder beam: a KenLM ARPA or binary file (default: a 3-gram of the training "
+                                "transcripts, built and cached under the data root)")
+    s.add_argument("--lexicon", help="--decoder beam: the words it may emit, one a line (default: the training words)")
+    s.add_argument("--beam-size", type=int, default=DecodeConfig.beam_size)
     s.set_defaults(run=score_split)
     t = commands.add_parser("transcribe", help="print path<TAB>transcript for each audio file (SPHERE, WAV)")
     t.set_defaults(run=transcribe)

@@ -18,7 +18,9 @@ from batchrnn.decoding.tuning import tune
 from batchrnn.training.identity import run_name
 from batchrnn.training.loop import train
 from batchrnn.training.rundir import BEST, RESULTS
+from batchrnn.study.report import write_report
 from conftest import ROOT
+from test_report import result as report_result, section, table_rows, write as report_write
 
 WORDS = ["YES", "NO", "GO", "STOP", "ONE", "TWO", "THREE", "ENTER", "RUBOUT", "ERASE", *(f"W{i}" for i in range(50))]
 
@@ -251,3 +253,57 @@ def test_the_hypotheses_are_cached_beside_the_model(runs, monkeypatch):
     monkeypatch.undo()
     other = tuning.decode_run(folder / BEST, narrower, cfg.data)
     assert len(other["grid"]) == 8 and len(list(folder.glob("decode-*.json"))) == 2
+
+
+# -----------------------------------------------------------------------------
+# the report's LM family
+
+
+def decoded(config: dict, greedy_wrong: set, lm_wrong: set, lm_weight: float) -> dict:
+    """A results.json with greedy's outputs and the word LM's, each wrong in one word of the utterances given."""
+    out = report_result(config, greedy_wrong, [0.5, 0.3])
+    utts = [{**u, "hyp": ("X" if i in lm_wrong else "YES") + " NO GO STOP ONE"}
+            for i, u in enumerate(out["test_utterances"])]
+    wer = len(lm_wrong) / (5 * len(utts))
+    return out | {"lm": {"lm": "kn3-0123456789abcdef.arpa", "lm_sha256": "0123456789abcdef" * 4, "lm_built": True,
+                         "beam_size": 50, "grid": [{}] * 28, "lm_weight": lm_weight, "word_score": 1.0,
+                         "val_wer": 0.2, "test_wer": wer, "test_cer": wer / 2, "test_utterances": utts}}
+
+
+def test_the_report_has_the_lm_as_a_second_family_beside_greedys(tmp_path):
+    root = tmp_path / "study"
+    for seed in (1, 2, 3):
+        # greedy: seqwise and none wrong in as many utterances; with the LM seqwise is far better
+        for bn, lm_wrong in (("none", set(range(40))), ("seqwise", set(range(5)))):
+            config = {"model": {"rnn": "gru", "bn": bn, "impl": "fused"}, "seed": seed}
+            report_write(root, f"{bn}-{seed}", decoded(config, set(range(30)), lm_wrong, 0.5 * seed))
+        config = {"model": {"rnn": "gru", "bn": "ln", "impl": "fused"}, "seed": seed}
+        ln = decoded(config, set(range(30)), set(range(5)), 1.0)
+        report_write(root, f"ln-{seed}", ln if seed == 1 else {k: v for k, v in ln.items() if k != "lm"})
+    text = write_report(root, tmp_path / "out").read_text()
+    greedy, lm = section(text, "Head to head"), section(text, "With the word language model")
+    assert "No difference is significant at a family-wise 5% level, Holm–Bonferroni over the 3 comparisons of the " \
+           "head-to-head table." in greedy
+    # ln has one seed of three decoded: in the LM table, in no LM comparison
+    assert "over the 1 comparisons of the LM head-to-head table (marked *): gru: seqwise vs none (-7.0 points" in lm
+    assert "gru-ln: 1 of 3 seeds decoded" in lm and "kn3-0123456789abcdef.arpa (sha256 0123456789abcdef" in lm
+    rows = {r[1]: r for r in table_rows(lm.split("### Head to head")[0])}
+    assert rows["none"][3:] == ["3 of 3", "6.0 ± 0.0", "8.0 ± 0.0", "4.0 ± 0.0", "(baseline)", "s1: 0.5 / 1; s2: 1 / 1; s3: 1.5 / 1"]
+    assert rows["seqwise"][3:6] == ["3 of 3", "6.0 ± 0.0", "1.0 ± 0.0"] and rows["seqwise"][7].endswith("*")
+    assert rows["ln"][3] == "1 of 3"
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert len(report["comparisons"]) == 3 and len(report["lm"]["comparisons"]) == 1
+    assert report["lm"]["comparisons"][0]["significant"] and not any(c["significant"] for c in report["comparisons"])
+    assert "greedy_vs_lm.png" in report["plots"] and (tmp_path / "out" / "greedy_vs_lm.png").is_file()
+
+
+def test_a_report_without_lm_results_has_no_trace_of_them(tmp_path):
+    root = tmp_path / "study"
+    for seed in (1, 2):
+        for bn in ("none", "seqwise"):
+            config = {"model": {"rnn": "gru", "bn": bn, "impl": "fused"}, "seed": seed}
+            report_write(root, f"{bn}-{seed}", report_result(config, set(range(10)), [0.5, 0.3]))
+    text = write_report(root, tmp_path / "out").read_text()
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert "language model" not in text and "lm" not in report and "greedy_vs_lm.png" not in report["plots"]
+    assert not any(k.startswith("lm_") for row in report["rows"] for k in row)

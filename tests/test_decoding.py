@@ -1,5 +1,6 @@
 """Decoding with a word language model: the Kneser-Ney estimator against an independent computation, the beam
 decoder on a hand-made case, the settings' errors, the tuning's cache, and greedy left as it was."""
+import importlib.util
 import json
 import random
 from collections import defaultdict
@@ -15,12 +16,17 @@ from batchrnn.decoding.beam import BeamSearch, DecodeError, LanguageModel, check
 from batchrnn.decoding.lm import BOS, EOS, FALLBACK_DISCOUNT, KneserNey, build
 from batchrnn.decoding import tuning
 from batchrnn.decoding.tuning import tune
+from batchrnn.evaluate import main as evaluate
 from batchrnn.training.identity import run_name
 from batchrnn.training.loop import train
 from batchrnn.training.rundir import BEST, RESULTS
 from batchrnn.study.report import write_report
 from conftest import ROOT
 from test_report import result as report_result, section, table_rows, write as report_write
+
+spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "experiments" / "bench_decode.py")
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
 
 WORDS = ["YES", "NO", "GO", "STOP", "ONE", "TWO", "THREE", "ENTER", "RUBOUT", "ERASE", *(f"W{i}" for i in range(50))]
 
@@ -55,9 +61,9 @@ def arpa_prob(table: dict, word: str, history: tuple) -> float:
     return bow * arpa_prob(table, word, history[1:])
 
 
-def direct_kn(sentences: list[str], word: str, history: tuple, order: int = 3) -> float:
-    """Interpolated modified Kneser-Ney written straight from Chen & Goodman's definition, with sets of distinct
-    left neighbours for the continuation counts: shares nothing with the estimator but the formula."""
+def direct_kn(sentences: list[str], order: int = 3):
+    """p(word, history) of interpolated modified Kneser-Ney written straight from Chen & Goodman's definition, with
+    sets of distinct left neighbours for the continuation counts: shares nothing with the estimator but the formula."""
     padded = [[BOS, *s.split(), EOS] for s in sentences]
     grams = defaultdict(int)
     for words in padded:
@@ -99,7 +105,7 @@ def direct_kn(sentences: list[str], word: str, history: tuple, order: int = 3) -
         gamma = sum(d[min(x, 3) - 1] for x in following.values()) / total
         return (max(c - d[min(c, 3) - 1], 0) if c else 0) / total + gamma * lower
 
-    return p(word, history)
+    return p
 
 
 def histories(model: KneserNey) -> list[tuple]:
@@ -117,10 +123,10 @@ def test_every_history_sums_to_one_in_the_arpa_file():
 def test_the_arpa_file_agrees_with_a_direct_computation():
     sentences = corpus()
     table = read_arpa(KneserNey(sentences).arpa())
-    model = KneserNey(sentences)
+    model, direct = KneserNey(sentences), direct_kn(sentences)
     for h in random.Random(1).sample(histories(model), 12):
         for w in [*WORDS, EOS]:
-            assert arpa_prob(table, w, h) == pytest.approx(direct_kn(sentences, w, h), rel=1e-5), (w, h)
+            assert arpa_prob(table, w, h) == pytest.approx(direct(w, h), rel=1e-5), (w, h)
 
 
 def test_a_tiny_text_takes_the_stated_fallback_discount():
@@ -129,11 +135,11 @@ def test_a_tiny_text_takes_the_stated_fallback_discount():
     assert model.fallback == [1, 2, 3]
     text = model.arpa()
     assert f"took the constant discount {FALLBACK_DISCOUNT}" in text.splitlines()[2]
-    table = read_arpa(text)
+    table, direct = read_arpa(text), direct_kn(sentences)
     for h in histories(model):
         assert sum(arpa_prob(table, w, h) for w in [*model.vocab, EOS]) == pytest.approx(1, abs=1e-6)
         for w in [*model.vocab, EOS]:
-            assert arpa_prob(table, w, h) == pytest.approx(direct_kn(sentences, w, h), rel=1e-5)
+            assert arpa_prob(table, w, h) == pytest.approx(direct(w, h), rel=1e-5)
 
 
 def test_the_built_file_is_named_by_its_content(tmp_path):
@@ -307,3 +313,26 @@ def test_a_report_without_lm_results_has_no_trace_of_them(tmp_path):
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert "language model" not in text and "lm" not in report and "greedy_vs_lm.png" not in report["plots"]
     assert not any(k.startswith("lm_") for row in report["rows"] for k in row)
+
+
+def test_score_and_transcribe_decode_with_the_lm(runs, smoke_root, capsys):
+    cfg, folder, results = runs["beam"]
+    evaluate(["score", str(folder), "--split", "test", "--decoder", "beam"])
+    out = capsys.readouterr().out.splitlines()
+    lm = results["lm"]
+    assert f"test WER {100 * results['test_wer']:.2f}%, CER {100 * results['test_cer']:.2f}%" in out[0]
+    assert (f"test WER {100 * lm['test_wer']:.2f}%, CER {100 * lm['test_cer']:.2f}% with the LM {lm['lm']}" in out[1]
+            and f"LM weight {lm['lm_weight']:g}, word score {lm['word_score']:g}" in out[1])
+    sphere = sorted((smoke_root / "synthetic" / "an4" / "wav" / "an4test_clstk").rglob("*.sph"))[0]
+    evaluate(["transcribe", str(folder), "--decoder", "beam", str(sphere)])
+    hyp = {u["id"]: u["hyp"] for u in lm["test_utterances"]}[sphere.stem]
+    assert capsys.readouterr().out == f"{sphere}\t{hyp}\n"  # the tuned point, as the run decoded it
+
+
+def test_the_benchmark_times_greedy_and_each_beam(runs, capsys):
+    _, folder, _ = runs["beam"]
+    bench.main([str(folder), "--beams", "5,20", "--threads", "1"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [(r.get("decoder"), r.get("beam")) for r in lines[:3]] == [("greedy", None), ("beam", 5), ("beam", 20)]
+    assert lines[0]["ratio"] == 1 and all(r["s_per_utt"] > 0 for r in lines[:3])
+    assert lines[3]["points"] == 28 and lines[3]["within_budget"] == (lines[3]["tuning_s"] <= 60)

@@ -3,6 +3,7 @@
     python -m batchrnn.evaluate score runs/smoke/gru-seqwise-L2-lr0.003-s0-<hash> --split test --out hyps.json
     python -m batchrnn.evaluate score runs/smoke/gru-seqwise-L2-lr0.003-s0-<hash> --split test --decoder beam
     python -m batchrnn.evaluate transcribe runs/smoke/gru-seqwise-L2-lr0.003-s0-<hash>/best.pt a.sph b.wav
+    python -m batchrnn.evaluate transcribe runs/smoke/gru-seqwise-L2-lr0.003-s0-<hash> --decoder beam a.sph
 """
 import argparse
 import os
@@ -108,9 +109,19 @@ def read_any_audio(path: str) -> torch.Tensor:
 
 @torch.no_grad()
 def transcribe(args) -> None:
+    decoding = decode_config(args)
     path, device = checkpoint_path(args.checkpoint), pick_device(args.device)
     model, info = load_model(path, device)
     featurizer = Featurizer(data_config(info))
+    words = None
+    if Decoder(decoding.decoder) is Decoder.beam:  # at the LM weight and word score tuned on the run's validation
+        from batchrnn.decoding.beam import BeamSearch, language_model
+        from batchrnn.decoding.tuning import decode_run
+
+        cfg = data_config(info, args.data_root)
+        tuned = decode_run(path, decoding, cfg, device)
+        search = BeamSearch(language_model(decoding, cfg, prepare_corpus(cfg)), decoding.beam_size)
+        words = lambda e: search([e], tuned["lm_weight"], tuned["word_score"])[0]  # noqa: E731
     for audio_path in args.audio:
         audio = read_any_audio(audio_path)
         if len(audio) < featurizer.n_fft:  # the spectrogram's first window, centred on sample 0
@@ -120,7 +131,9 @@ def transcribe(args) -> None:
         lengths = torch.tensor([feats.shape[0]], device=device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=uses_amp(info, device)):
             logits, out_lens = model(feats.T[None].to(device), lengths)  # (T', 1, classes)
-        print(f"{audio_path}\t{greedy_decode(logits.float(), out_lens)[0]}", flush=True)
+        text = (greedy_decode(logits.float(), out_lens)[0] if words is None
+                else words(logits[:out_lens[0], 0].float().log_softmax(-1).cpu()))
+        print(f"{audio_path}\t{text}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -128,18 +141,20 @@ def main(argv: list[str] | None = None) -> None:
     commands = p.add_subparsers(dest="command", required=True)
     s = commands.add_parser("score", help="WER and CER of a run's best checkpoint on its val or test split")
     s.add_argument("--split", choices=["val", "test"], default="test")
-    s.add_argument("--data-root", help="folder of the prepared corpus (default: the run's data.root)")
     s.add_argument("--out", type=Path, help="also write the scores and every utterance's hypothesis here (JSON)")
-    s.add_argument("--decoder", choices=[d.value for d in Decoder], default=Decoder.greedy.value,
-                   help="beam: also decode with a word LM, tuned on validation (docs/decoding.md)")
-    s.add_argument("--lm", help="--decoder beam: a KenLM ARPA or binary file (default: a 3-gram of the training "
-                                "transcripts, built and cached under the data root)")
-    s.add_argument("--lexicon", help="--decoder beam: the words it may emit, one a line (default: the training words)")
-    s.add_argument("--beam-size", type=int, default=DecodeConfig.beam_size)
     s.set_defaults(run=score_split)
     t = commands.add_parser("transcribe", help="print path<TAB>transcript for each audio file (SPHERE, WAV)")
     t.set_defaults(run=transcribe)
     for command in (s, t):
+        command.add_argument("--data-root", help="folder of the prepared corpus (default: the run's data.root)")
+        command.add_argument("--decoder", choices=[d.value for d in Decoder], default=Decoder.greedy.value,
+                             help="beam: with a word LM, its LM weight and word score tuned on the run's validation "
+                                  "split (docs/decoding.md); score prints greedy's figures too")
+        command.add_argument("--lm", help="--decoder beam: a KenLM ARPA or binary file (default: a 3-gram of the "
+                                          "training transcripts, built and cached under the data root)")
+        command.add_argument("--lexicon", help="--decoder beam: the words it may emit, one a line (default: the "
+                                               "training words)")
+        command.add_argument("--beam-size", type=int, default=DecodeConfig.beam_size)
         command.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT", help=f"a run folder (its {BEST}) "
                              "or a checkpoint file")
         command.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")

@@ -338,7 +338,7 @@ def with_lm(summary: Summary) -> list[str]:
         if not row.get("lm_n"):
             continue
         baseline = row["bn"] == NONE and row["impl"] == Impl.fused.value
-        dwer = "(baseline)" if baseline else "–" if math.isnan(row.get("lm_dwer", math.nan)) else interval(
+        dwer = "(baseline)" if baseline else "–" if math.isnan(row["lm_dwer"]) else interval(
             {k: row["lm_" + k] for k in ("dwer", "dwer_lo", "dwer_hi", "significant")})
         chosen = "; ".join(f"s{c['seed']}: {c['lm_weight']:g} / {c['word_score']:g}" for c in row["lm_chosen"])
         lines.append("| " + " | ".join(identity(summary, row) + [

@@ -588,6 +588,9 @@ def lm_family(rows: list[dict]) -> dict | None:
         for name in ("test_wer", "test_cer"):
             row[LM + name], row[f"{LM}{name}_std"] = mean_std([lm[name] for lm in decoded])
         row[LM + "n"] = len(decoded)
+        # against `none` with the LM (compare fills them in for the rows of the family), as make_row's for greedy
+        row.update({LM + "dwer": math.nan, LM + "dwer_lo": math.nan, LM + "dwer_hi": math.nan, LM + "p": None,
+                    LM + "p_holm": None, LM + "significant": False, LM + "dwer_capped": False})
         row[LM + "chosen"] = [{"seed": run["seed"], **{k: run["result"]["lm"][k] for k in
                                                        ("lm_weight", "word_score", "val_wer", "beam_size")}}
                               for run in row["_finished"] if "lm" in run["result"]]

@@ -65,6 +65,11 @@ class Device(str, Enum):
     cuda = "cuda"
 
 
+class Decoder(str, Enum):
+    greedy = "greedy"  # best path: argmax per frame, repeats merged, blanks dropped
+    beam = "beam"  # torchaudio's CTC beam search (flashlight-text) with a word LM, tuned on validation (decode.*)
+
+
 class LoggerMode(str, Enum):
     auto = "auto"  # online when a W&B API key is configured, offline otherwise
     online = "online"
@@ -105,6 +110,9 @@ class DataConfig:
     test: str = ""
     # What a manifest line whose text has a character outside the alphabet does (after AN4's normalisation).
     bad_text: BadText = BadText.refuse
+    # A text file, one sentence a line, that the decoder's word LM is estimated from (decode.decoder=beam, no
+    # decode.lm); "": the training split's transcripts. Never validation's or test's.
+    lm_text: str = ""
     # The manifests' content, sha256 over train, val and test: filled in before the run is named
     # (batchrnn.data.manifest.pin_content), so two corpora never share a run folder. "" for AN4; never set it.
     manifest_sha256: str = ""
@@ -229,6 +237,24 @@ class LoggerConfig:
 
 
 @dataclass
+class DecodeConfig:
+    """How a trained model's output becomes words (batchrnn.decoding). No part of a run's identity: one trained run
+    is decoded in many ways without training it again. docs/decoding.md."""
+    decoder: Decoder = Decoder.greedy
+    # decoder=beam: a KenLM word LM, ARPA or binary. "": a 3-gram with modified Kneser-Ney estimated from the
+    # training transcripts (or data.lm_text), cached under data.root/lm/ and named by its content's sha256.
+    lm: str = ""
+    # decoder=beam: the words the search may emit, one a line (its first field). "": the LM's training words.
+    lexicon: str = ""
+    beam_size: int = 50
+    # decoder=beam: the grid every trained model is tuned on, on its own validation split (the lowest WER; ties:
+    # the earlier point, in this order); test is decoded once, at the chosen point. deepspeech.pytorch's alpha
+    # (LM weight) and beta (word insertion score).
+    lm_weights: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0])
+    word_scores: list[float] = field(default_factory=lambda: [-1.0, 0.0, 1.0, 2.0])
+
+
+@dataclass
 class ProtocolConfig:
     """The fair-comparison protocol of a study (batchrnn.study runs it, batchrnn.study.protocol applies it).
 
@@ -262,6 +288,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
     # Names the study: the W&B group and the folder under runs/.
     study: str = "default"
     seed: int = 0

@@ -1,7 +1,9 @@
 """Use a trained model: re-score a run's best checkpoint on a split, or transcribe audio files with it.
 
     python -m batchrnn.evaluate score runs/smoke/gru-seqwise-L2-lr0.003-s0-<hash> --split test --out hyps.json
+    python -m batchrnn.evaluate score runs/smoke/gru-seqwise-L2-lr0.003-s0-<hash> --split test --decoder beam
     python -m batchrnn.evaluate transcribe runs/smoke/gru-seqwise-L2-lr0.003-s0-<hash>/best.pt a.sph b.wav
+    python -m batchrnn.evaluate transcribe runs/smoke/gru-seqwise-L2-lr0.003-s0-<hash> --decoder beam a.sph
 """
 import argparse
 import os
@@ -12,10 +14,11 @@ import soundfile as sf
 import torch
 
 from batchrnn.training.checkpoint import CheckpointError, load_model, typed
-from batchrnn.config import AN4_ARCHIVE_ENV, ConfigError, DataConfig, TrainConfig
+from batchrnn.config import AN4_ARCHIVE_ENV, ConfigError, DataConfig, DecodeConfig, Decoder, TrainConfig
 from batchrnn.data.corpus import SAMPLE_RATE, DataError, prepare_corpus, read_audio
 from batchrnn.data.features import Featurizer, load_features
 from batchrnn.data.manifest import content_sha256, manifests
+from batchrnn.decoding.beam import check
 from batchrnn.storage import write_json
 from batchrnn.data.text import greedy_decode
 from batchrnn.training.device import pick_device, uses_bf16
@@ -49,7 +52,20 @@ def uses_amp(info: dict, device: torch.device) -> bool:
     return uses_bf16(typed(TrainConfig, info["config"]["train"]), device)
 
 
+def decode_config(args) -> DecodeConfig:
+    """--decoder and its settings; the grid is the schema's (decode.lm_weights, decode.word_scores)."""
+    for flag, value in (("--lm", args.lm), ("--lexicon", args.lexicon)):
+        if value and args.decoder == Decoder.greedy.value:
+            raise UsageError(f"{flag} {value}: greedy decoding uses no language model; add --decoder beam, or drop "
+                             f"{flag}")
+    cfg = DecodeConfig(decoder=Decoder(args.decoder), lm=args.lm or "", lexicon=args.lexicon or "",
+                       beam_size=args.beam_size)
+    check(cfg)
+    return cfg
+
+
 def score_split(args) -> None:
+    decoding = decode_config(args)  # before the model loads: a wrong setting fails at once
     path, device = checkpoint_path(args.checkpoint), pick_device(args.device)
     model, info = load_model(path, device)
     cfg = data_config(info, args.data_root)
@@ -61,8 +77,17 @@ def score_split(args) -> None:
     result = score(model, fs, info["config"]["train"]["batch_size"], device, uses_amp(info, device), progress=True)
     print(f"{path}: {args.split} WER {100 * result['wer']:.2f}%, CER {100 * result['cer']:.2f}%, "
           f"{len(fs)} utterances (best epoch {info.get('epoch')})")
+    lm = None
+    if Decoder(decoding.decoder) is Decoder.beam:
+        from batchrnn.decoding.tuning import decode_run  # loads torchaudio's decoder: only where a beam is asked for
+
+        lm = decode_run(path, decoding, cfg, device, progress=True)
+        wer, cer = (lm["test_wer"], lm["test_cer"]) if args.split == "test" else (lm["val_wer"], lm["val_cer"])
+        print(f"{path}: {args.split} WER {100 * wer:.2f}%, CER {100 * cer:.2f}% with the LM {lm['lm']} (sha256 "
+              f"{lm['lm_sha256'][:16]}, beam {lm['beam_size']}; LM weight {lm['lm_weight']:g}, word score "
+              f"{lm['word_score']:g}, chosen on validation over {len(lm['grid'])} points)")
     if args.out:
-        write_json(args.out, {"checkpoint": str(path), "split": args.split, **result})
+        write_json(args.out, {"checkpoint": str(path), "split": args.split, **result} | ({"lm": lm} if lm else {}))
 
 
 def read_any_audio(path: str) -> torch.Tensor:
@@ -84,9 +109,19 @@ def read_any_audio(path: str) -> torch.Tensor:
 
 @torch.no_grad()
 def transcribe(args) -> None:
+    decoding = decode_config(args)
     path, device = checkpoint_path(args.checkpoint), pick_device(args.device)
     model, info = load_model(path, device)
     featurizer = Featurizer(data_config(info))
+    words = None
+    if Decoder(decoding.decoder) is Decoder.beam:  # at the LM weight and word score tuned on the run's validation
+        from batchrnn.decoding.beam import BeamSearch, language_model
+        from batchrnn.decoding.tuning import decode_run
+
+        cfg = data_config(info, args.data_root)
+        tuned = decode_run(path, decoding, cfg, device)
+        search = BeamSearch(language_model(decoding, cfg, prepare_corpus(cfg)), decoding.beam_size)
+        words = lambda e: search([e], tuned["lm_weight"], tuned["word_score"])[0]  # noqa: E731
     for audio_path in args.audio:
         audio = read_any_audio(audio_path)
         if len(audio) < featurizer.n_fft:  # the spectrogram's first window, centred on sample 0
@@ -96,7 +131,9 @@ def transcribe(args) -> None:
         lengths = torch.tensor([feats.shape[0]], device=device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=uses_amp(info, device)):
             logits, out_lens = model(feats.T[None].to(device), lengths)  # (T', 1, classes)
-        print(f"{audio_path}\t{greedy_decode(logits.float(), out_lens)[0]}", flush=True)
+        text = (greedy_decode(logits.float(), out_lens)[0] if words is None
+                else words(logits[:out_lens[0], 0].float().log_softmax(-1).cpu()))
+        print(f"{audio_path}\t{text}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -104,12 +141,20 @@ def main(argv: list[str] | None = None) -> None:
     commands = p.add_subparsers(dest="command", required=True)
     s = commands.add_parser("score", help="WER and CER of a run's best checkpoint on its val or test split")
     s.add_argument("--split", choices=["val", "test"], default="test")
-    s.add_argument("--data-root", help="folder of the prepared corpus (default: the run's data.root)")
     s.add_argument("--out", type=Path, help="also write the scores and every utterance's hypothesis here (JSON)")
     s.set_defaults(run=score_split)
     t = commands.add_parser("transcribe", help="print path<TAB>transcript for each audio file (SPHERE, WAV)")
     t.set_defaults(run=transcribe)
     for command in (s, t):
+        command.add_argument("--data-root", help="folder of the prepared corpus (default: the run's data.root)")
+        command.add_argument("--decoder", choices=[d.value for d in Decoder], default=Decoder.greedy.value,
+                             help="beam: with a word LM, its LM weight and word score tuned on the run's validation "
+                                  "split (docs/decoding.md); score prints greedy's figures too")
+        command.add_argument("--lm", help="--decoder beam: a KenLM ARPA or binary file (default: a 3-gram of the "
+                                          "training transcripts, built and cached under the data root)")
+        command.add_argument("--lexicon", help="--decoder beam: the words it may emit, one a line (default: the "
+                                               "training words)")
+        command.add_argument("--beam-size", type=int, default=DecodeConfig.beam_size)
         command.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT", help=f"a run folder (its {BEST}) "
                              "or a checkpoint file")
         command.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")

@@ -81,6 +81,8 @@ def validate(cfg: Config | DictConfig) -> None:
         for name in ("channels", "kernel_freq", "kernel_time", "stride_freq", "stride_time"):
             if getattr(layer, name) <= 0:
                 raise ConfigError(f"model.conv[{i}].{name}={getattr(layer, name)}: must be positive")
-    from batchrnn.layers import check_variant  # here: it loads torch, and a bad value fails faster without
+    from batchrnn.decoding.beam import check as check_decoding  # here: these load torch, and a bad value fails
+    from batchrnn.layers import check_variant  # faster without
 
     check_variant(m)
+    check_decoding(cfg.decode)

@@ -12,9 +12,10 @@ from batchrnn.config import Config, Impl
 
 # Where the data comes from, where things are written, how fast, and the study's bookkeeping: none of
 # these changes what a run computes, so a run restarted with another of them is the same run. A manifest
-# corpus is known by what its manifests hold (data.manifest_sha256), not by where they lie.
-NEUTRAL = ("study", "protocol", "logger", "data.archive", "data.mirrors", "data.root", "data.train", "data.val",
-           "data.test", "train.device", "train.threads", "train.rerun", "train.dist_timeout_s")
+# corpus is known by what its manifests hold (data.manifest_sha256), not by where they lie. How a trained model is
+# decoded (decode, and the LM's text) is not how it trains: one run is decoded in many ways.
+NEUTRAL = ("study", "protocol", "logger", "decode", "data.lm_text", "data.archive", "data.mirrors", "data.root",
+           "data.train", "data.val", "data.test", "train.device", "train.threads", "train.rerun", "train.dist_timeout_s")
 SEED, LR = "seed", "train.lr"
 AUGMENT = "train.spec_augment.enabled"  # tuned beside the rate where protocol.tune_spec_augment is set
 

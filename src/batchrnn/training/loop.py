@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from batchrnn.config import ConfigError, Schedule, to_container
+from batchrnn.config import ConfigError, Decoder, Schedule, to_container
 from batchrnn.validation import validate
 from batchrnn.data.base import corpus_changes
 from batchrnn.data.corpus import prepare_corpus
@@ -25,7 +25,7 @@ from batchrnn.metrics import error_rates
 from batchrnn.model import DeepSpeech2
 from batchrnn.training.identity import settings, variant_label
 from batchrnn.training import distributed, stopping
-from batchrnn.training.rundir import CHECKPOINT, RESULTS, RunError, RunFolder
+from batchrnn.training.rundir import BEST, CHECKPOINT, RESULTS, RunError, RunFolder
 from batchrnn.data.text import LABELS, greedy_decode
 from batchrnn.tracking.tracker import Tracker, start_tracking
 from batchrnn.progress import progress_bar
@@ -214,9 +214,30 @@ def opening(cfg: DictConfig, folder: RunFolder, preset: str | None) -> dict | No
         folder.check_settings(config)
         if (done := folder.results()).get("status") == "finished":
             log.info("%s is finished; train.rerun=true runs it again", folder.path)
-            return done
+            return with_lm(cfg, folder, done, pick_device(t.device))
     folder.start(t.rerun)
     return None
+
+
+def with_lm(cfg: DictConfig, folder: RunFolder, results: dict, device: torch.device) -> dict:
+    """decode.decoder=beam: the finished run decoded with the word LM as well (tuned on validation, test at the chosen
+    point: batchrnn.decoding.tuning), into results.json's `lm` beside the greedy figures, which stay as they are. A
+    finished run met again with other decode settings is decoded with those; one whose best.pt is gone keeps greedy."""
+    if Decoder(cfg.decode.decoder) is not Decoder.beam:
+        return results
+    if not folder.file(BEST).is_file():
+        log.warning("%s: no %s to decode with the LM; its results stay greedy only", folder.path, BEST)
+        return results
+    from batchrnn.decoding.tuning import decode_run  # loads torchaudio's decoder: only where a beam is asked for
+
+    lm = decode_run(folder.file(BEST), cfg.decode, cfg.data, device)
+    if results.get("lm") != lm:
+        results = results | {"lm": lm}
+        folder.write_results(results)
+    log.info("%s: with the LM %s: test WER %.1f%%, CER %.1f%% (LM weight %g, word score %g, chosen on validation: "
+             "WER %.1f%%)", folder.path, lm["lm"], 100 * lm["test_wer"], 100 * lm["test_cer"], lm["lm_weight"],
+             lm["word_score"], 100 * lm["val_wer"])
+    return results
 
 
 def train_in(cfg: DictConfig, folder: RunFolder, preset: str | None) -> dict:
@@ -285,6 +306,7 @@ def train_in(cfg: DictConfig, folder: RunFolder, preset: str | None) -> dict:
                                          "test_utterances": test["utterances"]}
         if lead:
             folder.write_results(results)
+            results = with_lm(cfg, folder, results, run.device)
     # flat columns a W&B runs table can sort and group by, beside the config
     tracker.summary({k: results[k] for k in ("rnn", "bn", "impl", "seed", "test_wer", "test_cer", "best_val_wer",
                                               "best_epoch", "epoch_time_s", "peak_mem_mb", "params", "stop")})

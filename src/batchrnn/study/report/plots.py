@@ -1,6 +1,6 @@
 """The report's plots, drawn from the summary: validation WER and gradient norm by epoch, test WER
-against epoch time, peak memory, test WER by depth when the study varies it, and each variant's test WER in an
-earlier study and this one (`--against`).
+against epoch time, peak memory, test WER by depth when the study varies it, greedy test WER against the word LM's
+when runs were decoded with it, and each variant's test WER in an earlier study and this one (`--against`).
 """
 from collections import defaultdict
 from pathlib import Path
@@ -11,6 +11,7 @@ from batchrnn.config import Impl
 from batchrnn.study.report.summary import BN_ORDER, RNN_ORDER, Summary
 
 DEPTH_PLOT = "wer_vs_depth.png"  # only when the study varies model.num_layers
+LM_PLOT = "greedy_vs_lm.png"  # only when runs were decoded with the word LM
 
 
 def draw(summary: Summary, out_dir: Path) -> list[str]:
@@ -30,6 +31,9 @@ def draw(summary: Summary, out_dir: Path) -> list[str]:
     if summary.depth and summary.rows:
         wer_vs_depth(summary.rows, out_dir / DEPTH_PLOT)
         drawn.append(DEPTH_PLOT)
+    if summary.lm and summary.rows:
+        greedy_vs_lm(summary.rows, out_dir / LM_PLOT)
+        drawn.append(LM_PLOT)
     return drawn
 
 
@@ -152,6 +156,30 @@ def wer_vs_time(rows: list[dict], path: Path, drifted: bool = False) -> None:
     if drifted:
         title += "\nepoch times drifted during the study: not costs (report.md)"
     ax.set(xlabel="epoch time s", ylabel="test WER %", title=title)
+    ax.grid(alpha=0.3)
+    save(fig, path)
+
+
+def greedy_vs_lm(rows: list[dict], path: Path) -> None:
+    """Each variant's greedy test WER (x) against its test WER with the word LM (y): below the diagonal, the LM
+    helped; a variant the LM helps more than another moves further down."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 6))
+    markers = dict(zip(RNN_ORDER, "osD"))
+    decoded = [r for r in rows if r.get("lm_n")]
+    for row in decoded:
+        x, y, color = 100 * row["test_wer"], 100 * row["lm_test_wer"], colors().get(row["bn"])
+        ax.errorbar(x, y, xerr=np.nan_to_num(100 * row["test_wer_std"]), yerr=np.nan_to_num(100 * row["lm_test_wer_std"]),
+                    marker=markers.get(row["rnn"], "^"), color=color, capsize=2, elinewidth=0.8,
+                    markerfacecolor=color if row["impl"] == Impl.fused.value else "none")
+        ax.annotate(row["variant"], (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    values = [100 * r[k] for r in decoded for k in ("test_wer", "lm_test_wer")]
+    if values:
+        edge = (0, max(values) * 1.1)
+        ax.plot(edge, edge, color="grey", linewidth=0.8, linestyle=":")  # no change from the LM
+    ax.set(xlabel="greedy test WER %", ylabel="test WER % with the word LM",
+           title="Greedy against word-LM decoding (mean ± std over seeds)")
     ax.grid(alpha=0.3)
     save(fig, path)
 

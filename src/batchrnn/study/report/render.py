@@ -29,6 +29,8 @@ def markdown(summary: Summary, plots: list[str], guide: str = "docs/report.md") 
     if summary.rows:
         lines += results_table(summary)
         lines += ["", "## Head to head", ""] + head_to_head(summary)
+        if summary.lm:
+            lines += ["", "## With the word language model", ""] + with_lm(summary)
         lines += ["", "## Speed of convergence", ""] + speed(summary)
     else:
         lines.append("No finished runs yet" + (" at a chosen rate." if summary.protocol else "."))
@@ -262,10 +264,15 @@ def head_to_head(summary: Summary) -> list[str]:
              "ΔWER is the first minus the second (negative: the first is better); faster: the one that "
              "reaches the group's validation threshold (next section) at least half an epoch sooner, by the means, "
              "not a test (\"unclear\": the sooner mean is a lower bound, a seed of it never reached the threshold).",
-             "",
-             "| group | comparison | ΔWER [95% CI] | p | Holm p | significant | faster | note |",
+             ""] + comparisons_table(summary.comparisons)
+    missing = ["", "Not compared: " + "; ".join(summary.unpaired) + "."] if summary.unpaired else []
+    return lines + missing + ["", significance(summary), "", splits(summary)]
+
+
+def comparisons_table(comparisons: list[dict]) -> list[str]:
+    lines = ["| group | comparison | ΔWER [95% CI] | p | Holm p | significant | faster | note |",
              "|---|---|---:|---:|---:|---|---|---|"]
-    for c in summary.comparisons:
+    for c in comparisons:
         tested = c["p"] is not None
         lines.append("| " + " | ".join([
             c["group"], f"{c['a_name']} vs {c['b_name']}", interval(c) if tested else "–",
@@ -273,15 +280,15 @@ def head_to_head(summary: Summary) -> list[str]:
             ("yes" if c["significant"] else "no") if tested else "no per-utterance outputs",
             name_of(c, c["speed_winner"]) if c["speed_winner"] else "unclear" if c["speed_censored"] else "tie",
             note(c)]) + " |")
-    missing = ["", "Not compared: " + "; ".join(summary.unpaired) + "."] if summary.unpaired else []
-    return lines + missing + ["", significance(summary), "", splits(summary)]
+    return lines
 
 
-def significance(summary: Summary) -> str:
-    tested = [c for c in summary.comparisons if c["p"] is not None]
+def significance(summary: Summary, comparisons: list[dict] | None = None, table: str = "head-to-head table") -> str:
+    """The family's verdict: greedy's (the summary's comparisons), or those given (the LM's) with their table."""
+    tested = [c for c in (summary.comparisons if comparisons is None else comparisons) if c["p"] is not None]
     if not tested:
         return "No paired comparison: no group holds two variants with per-utterance test outputs."
-    family = f"{FAMILY_WISE} over the {len(tested)} comparisons of the head-to-head table"
+    family = f"{FAMILY_WISE} over the {len(tested)} comparisons of the {table}"
     sig = [c for c in tested if c["significant"]]
     if not sig:
         return f"No difference is significant at {family}."
@@ -294,6 +301,36 @@ def significance(summary: Summary) -> str:
                if any(capped_note(c) for c in sig) else "")
             + (f" {lone} of the significant rest on one seed on a side, so their intervals leave out seed-to-seed "
                "variation: more seeds may undo them." if lone else ""))
+
+
+def with_lm(summary: Summary) -> list[str]:
+    """Greedy and LM decoding side by side, each run's chosen LM weight and word score, and the LM's own family."""
+    lm, head = summary.lm, identity_head(summary)
+    lines = ["Each run's best checkpoint decoded again: torchaudio's CTC beam search with a word language model, "
+             "restricted to its lexicon (`docs/decoding.md`). Each run's LM weight and word "
+             "score are chosen on its own validation WER over the grid; test is decoded at that point only. Greedy "
+             "columns repeat the results table's.", "", f"- LM: {'; '.join(lm['models'])}."]
+    if lm["partial"]:
+        lines.append(f"- Not every seed decoded, so in no LM comparison: {'; '.join(lm['partial'])}.")
+    lines += ["", "| " + " | ".join(head + ["n decoded", "greedy test WER %", "LM test WER %", "LM test CER %",
+                                            "ΔWER vs none with LM [95% CI]", "LM weight / word score by seed"]) + " |",
+              "|" + "---|" * len(head) + "---:|" * 5 + "---|"]
+    for row in summary.rows:
+        if not row.get("lm_n"):
+            continue
+        baseline = row["bn"] == NONE and row["impl"] == Impl.fused.value
+        dwer = "(baseline)" if baseline else "–" if math.isnan(row["lm_dwer"]) else interval(
+            {k: row["lm_" + k] for k in ("dwer", "dwer_lo", "dwer_hi", "significant")})
+        chosen = "; ".join(f"s{c['seed']}: {c['lm_weight']:g} / {c['word_score']:g}" for c in row["lm_chosen"])
+        lines.append("| " + " | ".join(identity(summary, row) + [
+            f"{row['lm_n']} of {row['n']}", fmt(row, "test_wer", 100), fmt(row, "lm_test_wer", 100),
+            fmt(row, "lm_test_cer", 100), dwer, chosen]) + " |")
+    lines += ["", "### Head to head with the LM", "", "The head-to-head comparisons again, on each run's LM hypotheses: a "
+              "second family, Holm-corrected on its own, never mixed with greedy's.", ""]
+    lines += comparisons_table(lm["comparisons"])
+    if lm["unpaired"]:
+        lines += ["", "Not compared: " + "; ".join(lm["unpaired"]) + "."]
+    return lines + ["", significance(summary, lm["comparisons"], "LM head-to-head table")]
 
 
 def splits(summary: Summary) -> str:
@@ -371,7 +408,9 @@ def as_json(summary: Summary, plots: list[str]) -> dict:
         "compute": summary.compute, "drift": summary.drift, "only": summary.only,
         "significance": significance(summary) if summary.rows else None,
         "splits": splits(summary) if summary.rows else None, "plots": plots,
-        "rows": [public(r) for r in summary.rows], "comparisons": [public(c) for c in summary.comparisons]})
+        "rows": [public(r) for r in summary.rows], "comparisons": [public(c) for c in summary.comparisons],
+        **({"lm": summary.lm | {"significance": significance(summary, summary.lm["comparisons"],
+                                                             "LM head-to-head table")}} if summary.lm else {})})
 
 
 def public(d: dict) -> dict:

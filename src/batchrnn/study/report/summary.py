@@ -72,6 +72,9 @@ class Summary:
     drift: list[dict]  # rows whose seeds' epoch times differ by more than DRIFT: time_drift
     only: dict  # {setting: [values]}: the runs kept (`--only`), and how many others the folder holds
     logger: dict  # the runs' W&B project, entity and tags
+    # Decoded with the word LM as well (results.json's `lm`, batchrnn.decoding): a second family of comparisons,
+    # Holm-corrected on its own, over the rows whose every seed was decoded; None when no run was (lm_family).
+    lm: dict | None = None
 
 
 def build(sweep_dir: Path, now: float | None = None, only: dict[str, list[str]] | None = None) -> Summary:
@@ -119,6 +122,7 @@ def build(sweep_dir: Path, now: float | None = None, only: dict[str, list[str]] 
         add_ratios(members)
         add_speed(members)
     comparisons, unpaired = compare(groups)
+    lm = lm_family(verdict)
 
     counts = Counter(run["status"] for group in runs.values() for run in group)
     return Summary(
@@ -136,7 +140,7 @@ def build(sweep_dir: Path, now: float | None = None, only: dict[str, list[str]] 
         failed=[r["label"] for r in rows if r["role"] == "verdict" and not r["n"] and r["diverged"]],
         curves=[r for r in rows if r["role"] in ("verdict", "pending")], comparisons=comparisons, unpaired=unpaired,
         compute=training_time(rows), drift=time_drift(verdict), only={"settings": only or {}, "left_out": left_out},
-        logger=next((r["config"]["logger"] for r in kept if isinstance(r["config"].get("logger"), dict)), {}))
+        logger=next((r["config"]["logger"] for r in kept if isinstance(r["config"].get("logger"), dict)), {}), lm=lm)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -501,11 +505,12 @@ def reach(runs: list[dict], threshold: float) -> tuple[list[tuple[int, float]], 
 # head to head
 
 
-def compare(groups: dict) -> tuple[list[dict], list[str]]:
+def compare(groups: dict, decoded: str = "") -> tuple[list[dict], list[str]]:
     """Within each group, every variant against `none` and `seqwise` against every other, and each variant of
     BUILDS_ON against the one it builds on, by the paired two-level bootstrap; Holm's correction over the whole
     family. Each row gets its comparison with `none`. Also, per group with more than one row, the references
-    it has no finished row of."""
+    it has no finished row of. decoded: "" for greedy's test outputs, LM for those decoded with the word LM (the
+    row's keys then take that prefix: lm_dwer ...)."""
     out, vs_none, unpaired = [], [], []
     for group, members in groups.items():
         seen = set()
@@ -514,7 +519,7 @@ def compare(groups: dict) -> tuple[list[dict], list[str]]:
             if a is b or (pair := frozenset((a["label"], b["label"]))) in seen:
                 return False
             seen.add(pair)
-            out.append(comparison(a, b))
+            out.append(comparison(a, b, decoded))
             return True
 
         for reference in REFERENCES:
@@ -533,13 +538,13 @@ def compare(groups: dict) -> tuple[list[dict], list[str]]:
         c["quality_winner"] = (c["a"] if c["dwer"] < 0 else c["b"]) if c["significant"] else None
         c["split"] = bool(c["quality_winner"] and c["speed_winner"] and c["quality_winner"] != c["speed_winner"])
     for row, c in vs_none:
-        row.update({k: c[k] for k in ("dwer", "dwer_lo", "dwer_hi", "p", "p_holm", "significant")})
-        row["dwer_capped"] = any(c["capped"].values())
+        row.update({decoded + k: c[k] for k in ("dwer", "dwer_lo", "dwer_hi", "p", "p_holm", "significant")})
+        row[decoded + "dwer_capped"] = any(c["capped"].values())
     return out, unpaired
 
 
-def comparison(a: dict, b: dict) -> dict:
-    d = paired_bootstrap(errors_of(a), errors_of(b))
+def comparison(a: dict, b: dict, decoded: str = "") -> dict:
+    d = paired_bootstrap(errors_of(a, decoded), errors_of(b, decoded))
     return {"group": a["group"], "a": a["label"], "b": b["label"], "a_name": a["name"], "b_name": b["name"],
             "dwer": d.dwer if d else math.nan, "dwer_lo": d.lo if d else math.nan, "dwer_hi": d.hi if d else math.nan,
             "p": d.p if d else None, "p_holm": None, "significant": False, "quality_winner": None,
@@ -547,12 +552,12 @@ def comparison(a: dict, b: dict) -> dict:
             "capped": {a["label"]: a["capped"], b["label"]: b["capped"]}, "n": {a["label"]: a["n"], b["label"]: b["n"]}}
 
 
-def errors_of(row: dict) -> list[dict]:
-    """Each finished seed's per-utterance word errors, computed once per run."""
+def errors_of(row: dict, decoded: str = "") -> list[dict]:
+    """Each finished seed's per-utterance word errors (decoded=LM: with the word LM), computed once per run."""
     for run in row["_finished"]:
-        if "errors" not in run:
-            run["errors"] = utterance_errors(run["result"])
-    return [run["errors"] for run in row["_finished"]]
+        if decoded + "errors" not in run:
+            run[decoded + "errors"] = utterance_errors(run["result"]["lm"] if decoded else run["result"])
+    return [run[decoded + "errors"] for run in row["_finished"]]
 
 
 def faster(a: dict, b: dict) -> str | None:
@@ -563,3 +568,38 @@ def faster(a: dict, b: dict) -> str | None:
         return None
     sooner = a if a["epochs_to"] < b["epochs_to"] else b
     return None if sooner["censored"] else sooner["label"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# decoded with the word LM
+
+LM = "lm_"  # the prefix of a row's figures under LM decoding, and compare()'s `decoded`
+
+
+def lm_family(rows: list[dict]) -> dict | None:
+    """The verdict decoded with the word LM: each row's LM test WER and CER, greedy's beside them, and every seed's
+    chosen LM weight and word score; the same comparisons as greedy's over the rows whose every finished seed was
+    decoded, as a family of their own (Holm over it alone, never mixed with greedy's). None when no run was."""
+    if not any("lm" in run["result"] for row in rows for run in row["_finished"]):
+        return None
+    groups, partial, models = defaultdict(list), [], set()
+    for row in rows:
+        decoded = [run["result"]["lm"] for run in row["_finished"] if "lm" in run["result"]]
+        for name in ("test_wer", "test_cer"):
+            row[LM + name], row[f"{LM}{name}_std"] = mean_std([lm[name] for lm in decoded])
+        row[LM + "n"] = len(decoded)
+        # against `none` with the LM (compare fills them in for the rows of the family), as make_row's for greedy
+        row.update({LM + "dwer": math.nan, LM + "dwer_lo": math.nan, LM + "dwer_hi": math.nan, LM + "p": None,
+                    LM + "p_holm": None, LM + "significant": False, LM + "dwer_capped": False})
+        row[LM + "chosen"] = [{"seed": run["seed"], **{k: run["result"]["lm"][k] for k in
+                                                       ("lm_weight", "word_score", "val_wer", "beam_size")}}
+                              for run in row["_finished"] if "lm" in run["result"]]
+        models |= {f"{lm['lm']} (sha256 {lm['lm_sha256'][:16]}, {'built here' if lm['lm_built'] else 'given'}, "
+                   f"beam {lm['beam_size']}, grid {len(lm['grid'])} points)" for lm in decoded}
+        if decoded and len(decoded) == row["n"]:
+            groups[row["group"]].append(row)
+        elif row["n"]:
+            partial.append(f"{row['label']}: {len(decoded)} of {row['n']} seeds decoded")
+    comparisons, unpaired = compare(groups, LM)
+    return {"models": sorted(models), "rows": [r["label"] for g in groups.values() for r in g], "partial": partial,
+            "comparisons": comparisons, "unpaired": unpaired}

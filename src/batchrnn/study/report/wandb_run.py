@@ -14,7 +14,8 @@ def logger_of(runs_logger: dict, mode: LoggerMode) -> LoggerConfig:
 
 def log_report(report: dict, out_dir: Path, logger: LoggerConfig) -> str:
     """Logs report.json's content (`report`) and its plots from out_dir: the tables report/table (a row
-    per variant), report/head_to_head and report/tuning, the plots as images, the counts and the
+    per variant), report/head_to_head, report/tuning and (runs decoded with the word LM) report/lm_head_to_head, the
+    plots as images, the counts and the
     significance sentence in the run's summary. The run lives in out_dir/wandb-report/, online or
     offline as start_tracking decides; running the report again updates it. Returns the tracking mode."""
     from batchrnn.tracking.tracker import start_tracking
@@ -22,7 +23,8 @@ def log_report(report: dict, out_dir: Path, logger: LoggerConfig) -> str:
     config = {k: report[k] for k in ("sweep_dir", "study", "preset", "devices", "protocol")}
     tracker = start_tracking(logger, Path(out_dir) / "wandb-report", "report", report["study"], config,
                              job_type="report")
-    tables = {"table": report["rows"], "head_to_head": report["comparisons"], "tuning": report["tuning"]}
+    tables = {"table": report["rows"], "head_to_head": report["comparisons"], "tuning": report["tuning"],
+              "lm_head_to_head": (report.get("lm") or {}).get("comparisons")}  # decoded with the word LM
     for name, rows in tables.items():
         if rows:
             columns = list(rows[0])

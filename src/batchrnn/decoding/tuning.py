@@ -1,0 +1,102 @@
+"""A trained model decoded with the word LM, tuned like everything else on validation: its emissions computed once per
+split, every (LM weight, word score) of decode's grid decoded on validation, the lowest validation WER chosen, and
+test decoded at that point only. The outcome is cached in the run's folder, keyed by what it depends on, so that a
+report or a second `score` reads it in a moment.
+"""
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from batchrnn.config import DataConfig, DecodeConfig, TrainConfig
+from batchrnn.data.corpus import prepare_corpus
+from batchrnn.data.features import FeatureSet, collate, load_features, make_batches
+from batchrnn.decoding.beam import BeamSearch, check, language_model
+from batchrnn.decoding.lm import sha256
+from batchrnn.metrics import error_rates
+from batchrnn.progress import progress_bar
+from batchrnn.storage import write_json
+from batchrnn.training.checkpoint import load_model, typed
+from batchrnn.training.device import uses_bf16
+
+CACHE = "decode-{key}.json"  # in the run's folder, beside best.pt
+
+
+@torch.no_grad()
+def emissions(model, fs: FeatureSet, batch_size: int, device: torch.device, bf16: bool = False) -> list[torch.Tensor]:
+    """Each utterance's log-probabilities (T, classes), float32 on the CPU, in the split's order; batched as
+    batchrnn.training.loop.score batches them, so they are the frames greedy decoding reads."""
+    model.eval()
+    out = [None] * len(fs)
+    for indices in make_batches(fs.lengths, batch_size, shuffle=False, seed=0):
+        x, x_lens, _, _ = (b.to(device) for b in collate(fs, indices))
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            logits, out_lens = model(x, x_lens)  # (T, N, classes)
+        log_probs = logits.float().log_softmax(-1).cpu()
+        for j, (i, n) in enumerate(zip(indices, out_lens.tolist())):
+            out[i] = log_probs[:n, j]
+    return out
+
+
+def grid(cfg: DecodeConfig) -> list[tuple[float, float]]:
+    """(LM weight, word score) in the order ties are broken: the earlier point wins."""
+    return [(float(a), float(b)) for a in cfg.lm_weights for b in cfg.word_scores]
+
+
+def tune(search: BeamSearch, val: tuple[list, list[str]], test: tuple[list, list[str], list[str]],
+         points: list[tuple[float, float]], progress: bool = False) -> dict:
+    """val: (emissions, references); test: (emissions, references, ids). The grid on validation, then test once."""
+    start = time.perf_counter()
+    (val_e, val_refs), (test_e, test_refs, test_ids) = val, test
+    scored = []
+    for lm_weight, word_score in progress_bar(points, desc="LM grid on val", unit="point", disable=not progress):
+        wer, cer = error_rates(val_refs, search(val_e, lm_weight, word_score))
+        scored.append({"lm_weight": lm_weight, "word_score": word_score, "val_wer": wer, "val_cer": cer})
+    best = min(scored, key=lambda p: p["val_wer"])  # min keeps the first of equals: the grid's order
+    tuned = time.perf_counter()
+    hyps = search(test_e, best["lm_weight"], best["word_score"])
+    wer, cer = error_rates(test_refs, hyps)
+    return {"lm_weight": best["lm_weight"], "word_score": best["word_score"], "val_wer": best["val_wer"],
+            "val_cer": best["val_cer"], "grid": scored, "test_wer": wer, "test_cer": cer,
+            "test_utterances": [{"id": i, "ref": r, "hyp": h} for i, r, h in zip(test_ids, test_refs, hyps)],
+            "seconds": {"val_grid": tuned - start, "test": time.perf_counter() - tuned}}
+
+
+def decode_run(checkpoint: Path, cfg: DecodeConfig, data: DataConfig | None = None, device=torch.device("cpu"),
+               progress: bool = False) -> dict:
+    """The model of a best.pt decoded with the LM, tuned on its validation split, from the cache beside it when the
+    model, the LM and lexicon, the beam and the grid are the same. data: the run's own unless given (data.root,
+    data.lm_text). Returns results.json's `lm` entry: the LM's name, the chosen point, the grid's validation WERs,
+    test WER and CER and each test utterance's hypothesis."""
+    check(cfg)
+    checkpoint = Path(checkpoint)
+    model, info = load_model(checkpoint, device)
+    data = data or typed(DataConfig, info["config"]["data"])
+    corpus = prepare_corpus(data)
+    lm = language_model(cfg, data, corpus)
+    points = grid(cfg)
+    sets = {s: load_features(corpus, s, data) for s in ("val", "test")}
+    key = hashlib.sha256(json.dumps({"model": sha256(checkpoint), "lm": lm.key(), "beam": cfg.beam_size,
+                                     "grid": points, "val": sets["val"].ids, "test": sets["test"].ids}).encode())
+    cache = checkpoint.parent / CACHE.format(key=key.hexdigest()[:16])
+    if cache.is_file():
+        try:
+            return json.loads(cache.read_text())
+        except ValueError:
+            pass  # torn from outside (it is written atomically): decoded again
+    train = typed(TrainConfig, info["config"]["train"])
+    bf16 = uses_bf16(train, device)
+    start = time.perf_counter()
+    e = {s: emissions(model, fs, train.batch_size, device, bf16) for s, fs in sets.items()}
+    seconds = time.perf_counter() - start
+    search = BeamSearch(lm, cfg.beam_size)
+    result = tune(search, (e["val"], sets["val"].texts), (e["test"], sets["test"].texts, sets["test"].ids), points,
+                  progress)
+    result = {"lm": lm.path.name, "lm_sha256": lm.sha256, "lm_built": lm.built, "lexicon_words": len(lm.words),
+              "beam_size": cfg.beam_size, "lm_weights": list(map(float, cfg.lm_weights)),
+              "word_scores": list(map(float, cfg.word_scores)), **result}
+    result["seconds"]["emissions"] = seconds
+    write_json(cache, result)
+    return result

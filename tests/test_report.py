@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from batchrnn.config import Config
 from batchrnn.study.report import write_report
 from batchrnn.study.report.__main__ import main
-from batchrnn.study.report.against import reading
+from batchrnn.study.report.against import chosen, reading
 from batchrnn.study.report import plots
 from batchrnn.study.report.plots import DEPTH_PLOT, series
 from batchrnn.study.report.stats import first_reach, holm, paired_bootstrap, utterance_errors
@@ -848,3 +848,9 @@ def test_a_run_that_reaches_the_cap_of_the_plateau_schedule_is_marked(tmp_path):
     n = [c.strip() for c in head.strip("|").split("|")].index("n")  # after the columns of the varying settings
     rows = {r[1]: r for r in table_rows(text)}
     assert rows["seqwise"][n] == "6 †1" and rows["none"][n] == "6"
+
+
+def test_against_names_the_patience_each_study_chose():
+    row = {"lr": 2e-3, "settings": {"train.spec_augment.enabled": True, "train.plateau_wait": 6, "train.patience": 12}}
+    assert chosen(row) == "lr 0.002, SpecAugment on, patience 6/12"
+    assert chosen({"lr": 2e-3, "settings": {}}) == "lr 0.002"  # neither tuned

@@ -21,7 +21,8 @@ WER; the best test WER of each group (an rnn with its depth and other settings) 
 diverged" after n: k more seeds of that setting diverged, so they have no test WER and are in no mean.
 †k after n: k of the n runs reached the epoch cap (or, under train.schedule=plateau, the rate's floor) while
 validation was still improving, or, under train.schedule=plateau, whose cap is set out of reach, reached the
-cap at all; so they may not have converged, and comparisons involving them say so (a † beside a ΔWER). Train loss is the training loss at the tested epoch: a variant whose test WER trails with a higher train
+cap at all; so they may not have converged, and comparisons involving them say so (a † beside a ΔWER).
+Train loss is the training loss at the tested epoch: a variant whose test WER trails with a higher train
 loss is underfit, not beaten at convergence. Time and memory ratios divide by the `none` row of the
 same group: measured in this sweep on one machine, they rank the variants' costs only while the machine's
 speed holds steady over the sweep (the report warns below the table when one setting's seeds took epochs

@@ -828,7 +828,7 @@ def test_a_verdict_is_called_pre_registered_only_over_the_presets_seeds(tmp_path
     patience_study(tmp_path / "held")
     text = write_report(tmp_path / "held").read_text()
     assert "- Seeds fixed in advance: every row of the verdict holds exactly the seeds 1, 2, 3, 4, 5, 6 that the " \
-           "preset `an4_cpu_patience` writes" in text and "Not pre-registered" not in text
+           "preset `an4_cpu_patience` gives" in text and "Not pre-registered" not in text
     patience_study(tmp_path / "short", seeds={"seqwise": [1, 2, 3]})  # seqwise's seeds 4-6 never ran
     text = write_report(tmp_path / "short").read_text()
     assert "Seeds fixed in advance" not in text

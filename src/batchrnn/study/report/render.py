@@ -74,7 +74,7 @@ def header(summary: Summary) -> list[str]:
                      "other runs in the folder are in no table, plot or comparison.")
     lines.append(compute_line(summary))
     if set(summary.commits) != {UNRECORDED}:  # since results.json records it: say what code made the numbers
-        lines.append("- Trained at commit " + "; ".join(f"{commit} ({n} runs)" for commit, n in summary.commits.items())
+        lines.append("- Trained at commit " + "; ".join(f"{commit} ({n} run{'s' * (n > 1)})" for commit, n in summary.commits.items())
                      + " (results.json's `commit`; runs taken from another study keep the commit they were trained at)")
     if len(summary.machines) > 1:
         lines.append(f"- Machines: {len(summary.machines)} ({'; '.join(summary.machines)}). Runs are deterministic on "
@@ -138,7 +138,7 @@ def protocol(summary: Summary) -> list[str]:
                 f"patient schedule only where its mean best validation WER is lower; where it does, the schedule "
                 f"doubles again, up to {patience} time{'s' * (patience > 1)} in all. The search is by coordinates: "
                 f"{'the rate and SpecAugment were' if augment else 'the rate was'} chosen at the shorter patience "
-                f"({patience_label(base, 0)}), and are not chosen again at the longer one. " if patience else "")
+                f"({patience_label(base, 0)}), and not again at the longer one. " if patience else "")
              + "The tables below hold each variant's runs at its chosen settings only; the tuning run there is "
              "also that seed's run of the verdict.", "",
              "Best validation WER % by learning rate (mean over the tuning seeds; ✓ chosen, … not finished, blank: "
@@ -204,7 +204,7 @@ def protocol(summary: Summary) -> list[str]:
     if summary.off_grid:
         lines += ["", ("Outside the search (a rate outside the grid, or a schedule that is no doubling of the tuned one)"
                        if patience else "At a rate outside the grid") + f", in no table: {', '.join(summary.off_grid)}."]
-    return lines + [preregistered(summary.preregistered), ""]
+    return lines + ["", preregistered(summary.preregistered), ""]
 
 
 def preregistered(r: dict) -> str:
@@ -212,7 +212,7 @@ def preregistered(r: dict) -> str:
     seeds = ", ".join(map(str, r["seeds"] or []))
     if r["held"]:
         return (f"- Seeds fixed in advance: every row of the verdict holds exactly the seeds {seeds} that the preset "
-                f"`{r['preset']}` writes (`protocol.seeds`, conf/experiment/{r['preset']}.yaml), and every run of the "
+                f"`{r['preset']}` gives (`protocol.seeds`, conf/experiment/{r['preset']}.yaml), and every run of the "
                 "study was made with that one list; the commits its runs were trained at are in the head.")
     why = ("no one preset writes its seeds" if r["seeds"] is None else
            f"its runs were made with the seed lists {' and '.join(map(str, r['seed_lists']))}, seeds added after "

@@ -5,8 +5,7 @@ and stage final). A run's identity is batchrnn.training.identity's.
 import math
 from collections import defaultdict
 
-from batchrnn.training.identity import (AUGMENT, LR, SCHEDULE, augment_on, settings, tunes_patience, variant_key,
-                                        variant_label)
+from batchrnn.training.identity import AUGMENT, LR, SCHEDULE, augment_on, settings, variant_key, variant_label
 from batchrnn.training.rundir import read_study
 
 

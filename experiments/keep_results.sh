@@ -7,7 +7,7 @@
 # checkout pinned to one commit keeps its results in the main checkout (KEEP_TO=/path/to/main/experiments/results).
 # Study folders and where they are kept: runs/an4_cpu -> an4_cpu_protocol, runs/an4_depth -> an4_depth_protocol
 # (the exponential-schedule studies), runs/an4_cpu_plateau and runs/an4_depth_plateau under their own names (the
-# converged protocol, issue 28). On a new machine, the reverse puts the ended runs back, and the study skips them:
+# converged protocol, issue 28), and runs/an4_cpu_patience (issue 52). On a new machine, the reverse puts the ended runs back, and the study skips them:
 #   mkdir -p runs/an4_cpu_plateau runs/an4_depth_plateau
 #   cp -rn experiments/results/an4_cpu_plateau/* runs/an4_cpu_plateau/
 #   cp -rn experiments/results/an4_depth_plateau/* runs/an4_depth_plateau/
@@ -17,7 +17,7 @@ every="${1:-120}"
 keep_to="${KEEP_TO:-experiments/results}"
 while true; do
   for pair in an4_cpu:an4_cpu_protocol an4_depth:an4_depth_protocol an4_cpu_plateau:an4_cpu_plateau \
-              an4_depth_plateau:an4_depth_plateau; do
+              an4_depth_plateau:an4_depth_plateau an4_cpu_patience:an4_cpu_patience; do
     src="runs/${pair%%:*}" dst="$keep_to/${pair##*:}"
     for f in "$src"/*/results.json; do
       [ -f "$f" ] || continue

@@ -58,7 +58,7 @@ cd "$DIR"
 if [ -n "$(in_dir "python -m batchrnn.study")" ]; then
   echo "study: already running in $DIR"; exit 0
 fi
-for study in an4_cpu_plateau an4_depth_plateau; do
+for study in an4_cpu_plateau an4_depth_plateau an4_cpu_patience; do
   [ -d "$MAIN/experiments/results/$study" ] || continue
   mkdir -p "runs/$study"
   cp -rn "$MAIN/experiments/results/$study"/*/ "runs/$study/" 2>/dev/null || true

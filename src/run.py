@@ -64,7 +64,7 @@ def run(cfg: DictConfig) -> float:
                                         distributed.local_world_size())
     from batchrnn.data.corpus import DataError
     from batchrnn.data.manifest import pin_content
-    from batchrnn.study.protocol import ProtocolError, nothing_to_widen, stage_settings
+    from batchrnn.study.protocol import ProtocolError, nothing_to_train, stage_settings
     from batchrnn.training.identity import run_name
     from batchrnn.training.rundir import RunError, RunFolder
     from batchrnn.training.loop import TrainingDiverged, train
@@ -79,11 +79,12 @@ def run(cfg: DictConfig) -> float:
     hydra_cfg = HydraConfig.get()
     study_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        # final: the rate (and SpecAugment) the tuning stages chose for this variant; augment: that rate with
-        # SpecAugment off; widen: one more rate past the grid's edge, if its best lies there
+        # final: the rate (SpecAugment, patience) the tuning stages chose for this variant; augment: that rate with
+        # SpecAugment off; widen: one more rate past the grid's edge, if its best lies there; patience: the chosen
+        # settings with the schedule doubled once more, if the more patient won so far
         chosen = stage_settings(study_dir, to_container(cfg))
         if chosen is None:
-            log.info("%s", nothing_to_widen(to_container(cfg)))
+            log.info("%s", nothing_to_train(to_container(cfg)))
             return math.nan
         for key, value in chosen.items():
             OmegaConf.update(cfg, key, value)

@@ -6,10 +6,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from batchrnn.config import ConfigError, to_container
 from batchrnn.validation import validate
-from batchrnn.study.protocol import ProtocolError, choose_lrs, tuned_lr
+from batchrnn.study.protocol import ProtocolError, choose_lrs, protocol_choice, stage_settings, tuned_lr
 from batchrnn.training.identity import mismatch, run_name, setting_key, variant_key
 from batchrnn.study.scheduler import Pool, expand, jobs, split_studies, stages
 from batchrnn.training.rundir import RESULTS, read_study
@@ -449,3 +450,119 @@ def test_studies_with_different_launchers_are_refused_before_any_run(tmp_path):
                           "then", "experiment=smoke", "hydra/launcher=slurm_local"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert run.returncode == 2 and "need one launcher" in run.stderr and not list(tmp_path.rglob(RESULTS))
+
+
+def simulate(plan, curve) -> list[tuple]:
+    """A study's plan run without training: each job takes its stage's settings as src/run.py does (stage_settings)
+    and, where they name a run not made yet, writes its results.json with the scripted validation curve that
+    curve(bn, lr, SpecAugment on, patience, seed) returns. Returns (stage, bn, lr, on, patience, seed) of each run."""
+    made = []
+    for job in plan:
+        chosen = stage_settings(job.study_dir, to_container(job.cfg))
+        if chosen is None:
+            continue
+        cfg = job.cfg.copy()
+        for key, value in chosen.items():
+            OmegaConf.update(cfg, key, value)
+        config, path = to_container(cfg), job.study_dir / run_name(to_container(cfg))
+        if (path / RESULTS).exists():
+            continue
+        t, bn, seed = config["train"], config["model"]["bn"], config["seed"]
+        vals = curve(bn, t["lr"], t["spec_augment"]["enabled"], t["patience"], seed)
+        path.mkdir(parents=True)
+        (path / RESULTS).write_text(json.dumps({"status": "finished", "config": config, "seed": seed,
+                                                "epochs": [{"epoch": e, "val_wer": v} for e, v in enumerate(vals, 1)],
+                                                "best_val_wer": min(vals)}))
+        made.append((job.stage, bn, t["lr"], t["spec_augment"]["enabled"], t["patience"], seed))
+    return made
+
+
+PATIENT = ["experiment=smoke", "model.bn=none,seqwise", "protocol.lrs=[1e-3,2e-3,4e-3]", "protocol.widen=0",
+           "protocol.tune_seeds=[1,2]", "protocol.seeds=[1,2,3]", "train.spec_augment.time_masks=1",
+           "protocol.tune_spec_augment=true", "protocol.tune_patience=2", "train.schedule=plateau",
+           "train.plateau_wait=3", "train.patience=6", "train.epochs=150"]
+
+
+def scripted(bn, lr, on, patience, seed):
+    """Validation curves whose best values make the choices: none's rates tie-free at 2e-3 on the mean of both
+    seeds though seed 1 alone is best at 4e-3; seqwise at 1e-3. SpecAugment on wins for both. none gains from every
+    doubling of the patience (so the stage widens to 12/24 and takes it); seqwise loses at 6/12 (the stage stops)."""
+    rate = {("none", 1e-3): (0.40, 0.40), ("none", 2e-3): (0.30, 0.20), ("none", 4e-3): (0.25, 0.60),
+            ("seqwise", 1e-3): (0.20, 0.20), ("seqwise", 2e-3): (0.30, 0.30), ("seqwise", 4e-3): (0.35, 0.35)}
+    best = rate[bn, lr][seed - 1] if seed <= 2 else 0.3
+    best += 0.05 * (not on)
+    best -= {"none": {6: 0, 12: 0.02, 24: 0.03}, "seqwise": {6: 0, 12: -0.01, 24: 0}}[bn][patience]
+    return [0.9 + 0.01 * i for i in range(patience // 3)] + [best + 0.1, best, best + 0.05]
+
+
+def test_choices_are_made_on_the_mean_of_two_tuning_seeds_and_the_patience_stage_widens_while_it_wins(tmp_path):
+    """A whole study simulated: the two-seed choice of the rate, SpecAugment at the chosen rate, the patience stage
+    (6/12 against 3/6, then 12/24 only where 6/12 won) and the final seeds at the chosen settings, each tuning run
+    at those settings also its seed's final run."""
+    plan = jobs([*PATIENT, f"hydra.sweep.dir={tmp_path}"])
+    assert [name for name, _ in stages(PATIENT)] == ["tune", "augment", "patience 1", "patience 2", "final"]
+    made = simulate(plan, scripted)
+    by_stage = lambda stage: sorted(m[1:] for m in made if m[0] == stage)  # noqa: E731
+    assert len(by_stage("tune")) == 2 * 3 * 2  # both variants, three rates, two seeds
+    assert by_stage("augment") == [("none", 2e-3, False, 6, 1), ("none", 2e-3, False, 6, 2),
+                                   ("seqwise", 1e-3, False, 6, 1), ("seqwise", 1e-3, False, 6, 2)]
+    assert by_stage("patience 1") == [("none", 2e-3, True, 12, 1), ("none", 2e-3, True, 12, 2),
+                                      ("seqwise", 1e-3, True, 12, 1), ("seqwise", 1e-3, True, 12, 2)]
+    assert by_stage("patience 2") == [("none", 2e-3, True, 24, 1), ("none", 2e-3, True, 24, 2)]  # seqwise lost
+    # final: seeds 1 and 2 are the tuning runs at the chosen settings, so only seed 3 trains
+    assert by_stage("final") == [("none", 2e-3, True, 24, 3), ("seqwise", 1e-3, True, 6, 3)]
+    choice = protocol_choice(read_study(tmp_path)[0], to_container(plan[0].cfg)["protocol"], (3, 6, 150))
+    (none,) = [c for key, c in choice.items() if '"model.bn":"none"' in key]
+    assert (none["lr"], none["augment"], none["patience"], none["patience_grid"]) == (2e-3, True, 2, [0, 1, 2])
+    assert none["by_lr"][4e-3] == pytest.approx(0.425) and none["by_patience"][2] == pytest.approx(0.22)
+    final = [r for r in read_study(tmp_path)[0] if r["seed"] == 3 and r["config"]["model"]["bn"] == "none"][0]
+    assert [final["config"]["train"][k] for k in ("plateau_wait", "patience", "epochs")] == [12, 24, 600]  # cap too
+    assert len(made) == len({m[1:] for m in made})  # no run trained twice
+
+
+def test_the_patience_stage_keeps_the_shorter_schedule_on_a_tie_and_waits_for_the_rate():
+    base, on = (3, 6, 150), {"spec_augment": {"enabled": True}}
+
+    def run(lr, seed, val, patience=6):
+        r = result(lr, seed, val)
+        r["config"]["train"] |= on | {"plateau_wait": patience // 2, "patience": patience, "epochs": 25 * patience}
+        r["config"]["protocol"] = {"tune_patience": 2}
+        return r
+
+    def only(runs):
+        (c,) = choose_lrs(runs, [1e-3, 2e-3], [1, 2], tune_patience=2, base=base).values()
+        return c
+
+    tuned = [run(1e-3, s, 0.3) for s in (1, 2)] + [run(2e-3, s, 0.2) for s in (1, 2)]
+    assert only(tuned[:3])["patience_grid"] == [] and only(tuned[:3])["patience"] is None  # the rate not chosen yet
+    c = only(tuned)
+    assert (c["patience"], c["patience_grid"], c["patience_missing"]) == (None, [0, 1], [(1, 1), (1, 2)])
+    assert only(tuned + [run(2e-3, s, 0.2, 12) for s in (1, 2)])["patience"] == 0  # a tie: the shorter schedule
+    assert only(tuned + [run(2e-3, 1, 0.1, 12), run(2e-3, 2, 0.31, 12)])["patience"] == 0  # the mean decides
+    c = only(tuned + [run(2e-3, s, 0.1, 12) for s in (1, 2)])
+    assert (c["patience"], c["patience_missing"]) == (None, [(2, 1), (2, 2)])  # won: one doubling more
+    assert only(tuned + [run(2e-3, s, 0.1, 12) for s in (1, 2)] + [run(2e-3, s, 0.15, 24) for s in (1, 2)])[
+        "patience"] == 1
+    assert only(tuned + [run(1e-3, s, 0.01, 12) for s in (1, 2)])["patience_missing"] == [(1, 1), (1, 2)]  # other rate
+    odd = run(2e-3, 1, 0.01, 12)
+    odd["config"]["train"]["epochs"] = 150  # the waits doubled, the cap not: no doubling of the schedule, in no choice
+    assert only(tuned + [odd])["patience_missing"] == [(1, 1), (1, 2)]
+
+
+def test_the_patience_stage_needs_the_plateau_schedule(make_config):
+    with pytest.raises(ConfigError, match="protocol.tune_patience: the patience stage doubles"):
+        validate(make_config("experiment=smoke", "protocol.lrs=[1e-3]", "protocol.tune_patience=1"))
+    with pytest.raises(ConfigError, match="protocol.stage=patience: protocol.tune_patience is 0"):
+        validate(make_config("experiment=smoke", "protocol.lrs=[1e-3]", "protocol.stage=patience"))
+    validate(make_config("experiment=an4_cpu_patience"))
+
+
+def test_the_patience_preset_fixes_six_seeds_and_reuses_the_plateau_study(make_config):
+    """Its settings are an4_cpu_plateau's but for the protocol's bookkeeping, so a run chosen again has the same
+    folder name there (what protocol.reuse_from matches) and is taken, not trained again."""
+    p = make_config("experiment=an4_cpu_patience").protocol
+    assert (list(p.tune_seeds), list(p.seeds), p.tune_patience, p.reuse_from) == (
+        [1, 2], [1, 2, 3, 4, 5, 6], 2, "runs/an4_cpu_plateau")
+    same = ("model.rnn=lstm", "model.bn=seqwise", "train.lr=4e-3", "seed=5", "train.spec_augment.enabled=false")
+    assert (run_name(to_container(make_config("experiment=an4_cpu_patience", *same)))
+            == run_name(to_container(make_config("experiment=an4_cpu_plateau", *same))))

@@ -18,7 +18,7 @@ from conftest import ROOT
 from batchrnn.config import Config
 from batchrnn.study.report import write_report
 from batchrnn.study.report.__main__ import main
-from batchrnn.study.report.against import reading
+from batchrnn.study.report.against import chosen, reading
 from batchrnn.study.report import plots
 from batchrnn.study.report.plots import DEPTH_PLOT, series
 from batchrnn.study.report.stats import detectable, first_reach, holm, paired_bootstrap, utterance_errors
@@ -825,3 +825,71 @@ def test_a_study_against_an_earlier_one_says_which_verdicts_held(sweep, tmp_path
         main([str(new), "--out", str(tmp_path / "bad"), "--against", str(tmp_path / "nope")])
     assert stop.value.code == 2 and f"{tmp_path / 'nope'}: no such folder" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+def patience_study(root, seeds: dict | None = None, capped: tuple | None = None, preset: str = "an4_cpu_patience"):
+    """none and seqwise at one rate, tuned on seeds 1 and 2 (stage tune at 3/6, cap 150), then stage patience at
+    6/12, cap 300: none's mean improves (20% against 30%), so it keeps 6/12; seqwise's worsens (35%), so it keeps
+    3/6. Then the final seeds at those (`seeds`: each placement's, by default the preset's 1-6). `capped`: (bn,
+    seed) of a run that reached the cap."""
+    p = {"lrs": [1e-3], "tune_seeds": [1, 2], "seeds": [1, 2, 3, 4, 5, 6], "tune_patience": 1}
+    seeds = seeds or {}
+    for bn, patient in (("none", 0.20), ("seqwise", 0.35)):
+        chosen = 12 if bn == "none" else 6
+        for patience, seed in [(6, 1), (6, 2), (12, 1), (12, 2)] + [(chosen, s) for s in seeds.get(bn, range(3, 7))
+                                                                   if s > 2]:
+            c = config(bn, seed, 1e-3, p | {"stage": "tune" if patience == 6 and seed <= 2 else "patience"})
+            c["train"] |= {"schedule": "plateau", "plateau_wait": patience // 2, "patience": patience,
+                           "epochs": 25 * patience}
+            val = patient if patience == 12 and seed <= 2 else 0.30
+            r = result(c, set(range(10 if bn == "seqwise" else 20)), [0.9, val + 0.1, val])
+            write(root, f"{bn}-{patience}-{seed}", r | {"preset": preset, "commit": "c0ffee",
+                                                        "stop": "cap" if (bn, seed) == capped else "patience"})
+
+
+def test_the_patience_stage_in_the_tuning_table_and_the_verdict_at_the_chosen_schedule(tmp_path):
+    patience_study(tmp_path)
+    text = write_report(tmp_path).read_text()
+    tuning = section(text, "Protocol: each variant's learning rate and the schedule's patience, chosen on validation")
+    assert "| variant | lr 0.001 | 3/6, cap 150 | 6/12, cap 300 |" in tuning
+    assert table_rows(tuning) == [["gru-none", "**30.0 ✓**", "30.0", "**20.0 ✓**"],
+                                  ["gru-seqwise", "**30.0 ✓**", "**30.0 ✓**", "35.0"]]
+    assert "The search is by coordinates: the rate was chosen at the shorter patience (3/6, cap 150)" in tuning
+    assert "The most patient schedule tried (6/12, cap 300) won, so a more patient one might do better still: " \
+           "gru-none." in tuning
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert [(r["bn"], r["settings"]["train.patience"], r["seeds"]) for r in data["rows"]] == [
+        ("none", 12, [1, 2, 3, 4, 5, 6]), ("seqwise", 6, [1, 2, 3, 4, 5, 6])]
+    assert "- Trained at commit c0ffee (16 runs)" in text and data["commits"] == {"c0ffee": 16}
+
+
+def test_a_verdict_is_called_pre_registered_only_over_the_presets_seeds(tmp_path):
+    patience_study(tmp_path / "held")
+    text = write_report(tmp_path / "held").read_text()
+    assert "- Seeds fixed in advance: every row of the verdict holds exactly the seeds 1, 2, 3, 4, 5, 6 that the " \
+           "preset `an4_cpu_patience` gives" in text and "Not pre-registered" not in text
+    patience_study(tmp_path / "short", seeds={"seqwise": [1, 2, 3]})  # seqwise's seeds 4-6 never ran
+    text = write_report(tmp_path / "short").read_text()
+    assert "Seeds fixed in advance" not in text
+    assert "- Not pre-registered: the preset `an4_cpu_patience` writes seeds 1, 2, 3, 4, 5, 6, and these rows hold " \
+           "others: gru-seqwise" in text
+    data = json.loads((tmp_path / "short" / "report.json").read_text())
+    assert data["preregistered"]["held"] is False and data["preregistered"]["differ"] == [data["rows"][1]["label"]]
+    patience_study(tmp_path / "other", preset="an4_cpu_plateau")  # a preset that fixes seeds 1-3 only
+    assert "- Not pre-registered: the preset `an4_cpu_plateau` writes seeds 1, 2, 3," in write_report(
+        tmp_path / "other").read_text()
+
+
+def test_a_run_that_reaches_the_cap_of_the_plateau_schedule_is_marked(tmp_path):
+    patience_study(tmp_path, capped=("seqwise", 4))  # stopped by the cap, whether or not still improving
+    text = section(write_report(tmp_path).read_text(), "Quality at convergence")
+    head = next(line for line in text.splitlines() if line.startswith("| rnn"))
+    n = [c.strip() for c in head.strip("|").split("|")].index("n")  # after the columns of the varying settings
+    rows = {r[1]: r for r in table_rows(text)}
+    assert rows["seqwise"][n] == "6 †1" and rows["none"][n] == "6"
+
+
+def test_against_names_the_patience_each_study_chose():
+    row = {"lr": 2e-3, "settings": {"train.spec_augment.enabled": True, "train.plateau_wait": 6, "train.patience": 12}}
+    assert chosen(row) == "lr 0.002, SpecAugment on, patience 6/12"
+    assert chosen({"lr": 2e-3, "settings": {}}) == "lr 0.002"  # neither tuned

@@ -10,7 +10,7 @@ from batchrnn.layers import cpu_gru
 from batchrnn.training.checkpoint import load_model
 from batchrnn.metrics import error_rates
 from batchrnn.training.rundir import BEST, CHECKPOINT, LOG, RESULTS, RunFolder
-from batchrnn.training.loop import train
+from batchrnn.training.loop import code_commit, train
 from conftest import ROOT
 from wandb_offline import read_offline_run
 
@@ -86,6 +86,8 @@ def test_a_finished_run_of_another_study_with_the_same_settings_is_taken_not_ret
     source_log, log = (tmp_path / "grid" / "run" / LOG).read_text(), (tmp_path / "depth" / "run" / LOG).read_text()
     assert "epoch 1:" in source_log and log.startswith(source_log) and "taken, not trained again" in log[len(source_log):]
     assert taken["reused_from"] == str(tmp_path / "grid" / "run") and taken["study"] == "depth"
+    # filed under the taking study's protocol, so that it counts as one of its runs; the commit stays the source's
+    assert taken["config"]["protocol"]["reuse_from"] == str(tmp_path / "grid") and taken["commit"] == grid["commit"]
     assert {k: taken[k] for k in FINAL_KEYS | {"epochs", "test_utterances"}} == \
         {k: grid[k] for k in FINAL_KEYS | {"epochs", "test_utterances"}}
     assert (tmp_path / "depth" / "run" / BEST).exists() and not (tmp_path / "depth" / "run" / CHECKPOINT).exists()
@@ -158,3 +160,11 @@ def test_a_run_stopped_by_the_cap_while_improving_says_so(smoke, tmp_path, monke
     scripted_validation(monkeypatch, [1.0, 0.8, 0.7], [5, 4, 3])
     results = train(smoke("train.epochs=3", "train.patience=5"), tmp_path)
     assert (results["stop"], results["best_epoch"], results["improving_at_cap"]) == ("cap", 3, True)
+
+
+def test_results_name_the_commit_the_run_was_trained_at(smoke, tmp_path):
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert train(smoke(), tmp_path)["commit"] == head.strip() and len(head.strip()) == 40
+    outside = tmp_path / "copied tree"  # not a git checkout (tmp_path lies outside any)
+    outside.mkdir()
+    assert code_commit(outside) == "unknown"

@@ -46,7 +46,10 @@ class Stage(str, Enum):
     widen = "widen"  # train.lr: the rate past the grid's edge where this variant's best lies (protocol.widen)
     # protocol.tune_spec_augment: the tuning seeds again at the rate the tuning chose, with SpecAugment off
     augment = "augment"
-    final = "final"  # train.lr (and SpecAugment, where tuned) as the tuning stages chose for this variant
+    # protocol.tune_patience: the tuning seeds again at the chosen rate and SpecAugment, the plateau schedule's
+    # plateau_wait, patience and epoch cap doubled (and doubled again while the more patient wins)
+    patience = "patience"
+    final = "final"  # train.lr (SpecAugment, patience, where tuned) as the tuning stages chose for this variant
 
 
 class Schedule(str, Enum):
@@ -279,6 +282,12 @@ class ProtocolConfig:
     # variant's tune_seeds once more at its chosen rate with SpecAugment off (train.spec_augment.enabled=false),
     # and the variant keeps whichever of on and off has the lower mean best validation WER (ties: on).
     tune_spec_augment: bool = False
+    # The plateau schedule's patience as a tuning dimension, by coordinate search after the rate and SpecAugment:
+    # stage patience trains each variant's tune_seeds once more at its chosen settings with train.plateau_wait,
+    # train.patience and the cap train.epochs doubled (the cap with them, so that it stays as far out of reach),
+    # and the variant keeps the more patient schedule only where its mean best validation WER is lower; where it
+    # does, the stage doubles again, up to this many times in all (a grid widened past its edge). 0: never.
+    tune_patience: int = 0
 
 
 @dataclass

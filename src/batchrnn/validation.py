@@ -1,7 +1,7 @@
 """The checks the schema's types cannot express, run before any work starts (ConfigError names the setting)."""
 from omegaconf import DictConfig, OmegaConf
 
-from batchrnn.config import BadText, Config, ConfigError, CorpusName, Stage, check_known_keys
+from batchrnn.config import BadText, Config, ConfigError, CorpusName, Schedule, Stage, check_known_keys
 
 
 def validate(cfg: Config | DictConfig) -> None:
@@ -63,7 +63,7 @@ def validate(cfg: Config | DictConfig) -> None:
         raise ConfigError(f"protocol.lrs={list(p.lrs)}: every learning rate must be positive")
     if not p.seeds or not p.tune_seeds:
         raise ConfigError("protocol.seeds and protocol.tune_seeds: need at least one seed each")
-    if Stage(p.stage) in (Stage.final, Stage.widen, Stage.augment) and not p.lrs:
+    if Stage(p.stage) in (Stage.final, Stage.widen, Stage.augment, Stage.patience) and not p.lrs:
         raise ConfigError(f"protocol.stage={Stage(p.stage).value}: protocol.lrs is empty, so there is no tuning stage "
                           f"to take a rate from; set protocol.lrs, or drop protocol.stage and give train.lr")
     if p.tune_spec_augment and t.spec_augment.freq_masks + t.spec_augment.time_masks == 0:
@@ -75,6 +75,14 @@ def validate(cfg: Config | DictConfig) -> None:
                           "set protocol.tune_spec_augment=true, or pick another stage")
     if p.widen < 0:
         raise ConfigError(f"protocol.widen={p.widen}: must be 0 (never) or more")
+    if p.tune_patience < 0:
+        raise ConfigError(f"protocol.tune_patience={p.tune_patience}: must be 0 (never) or more")
+    if p.tune_patience and (Schedule(t.schedule) is not Schedule.plateau or not t.patience):
+        raise ConfigError("protocol.tune_patience: the patience stage doubles the plateau schedule's waits, so it needs "
+                          "train.schedule=plateau and train.patience > 0; set both, or protocol.tune_patience=0")
+    if Stage(p.stage) is Stage.patience and not p.tune_patience:
+        raise ConfigError("protocol.stage=patience: protocol.tune_patience is 0, so no stage tunes the patience; set "
+                          "protocol.tune_patience=1 or more, or pick another stage")
     if not m.conv:
         raise ConfigError("model.conv: needs at least one conv layer")
     for i, layer in enumerate(m.conv):

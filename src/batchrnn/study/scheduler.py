@@ -9,7 +9,9 @@ the slots that the first leaves free; each study folder's report is written once
 Stage tune sweeps every variant over protocol.lrs with protocol.tune_seeds; stage widen (protocol.widen
 times) tunes each variant whose best rate is an edge of its grid at one rate past it; stage augment (with
 protocol.tune_spec_augment) trains the tuning seeds at each variant's chosen rate with SpecAugment off; stage
-final runs protocol.seeds at the rate (and SpecAugment setting) each variant's validation WER chose
+patience (protocol.tune_patience times) trains them at the chosen settings with the schedule's waits and cap
+doubled, again while the more patient wins; stage final runs protocol.seeds at the settings each variant's
+validation WER chose
 (batchrnn.study.protocol.choose_lrs); then the report. Finished runs are skipped, so running it again resumes;
 a tuning run at the chosen settings is that seed's final run. Under a local launcher (the basic one, or hydra/launcher=parallel's n_jobs at once) the
 study schedules the runs itself: a job waits only for its own variant's earlier stages, so a free slot
@@ -38,7 +40,7 @@ from omegaconf.errors import OmegaConfBaseException
 from batchrnn.config import ConfigError, register_configs, to_container, with_device_preset
 from batchrnn.validation import validate
 from batchrnn.errors import DIVERGED, one_line, worst
-from batchrnn.study.protocol import ProtocolError, can_widen, nothing_to_widen, stage_settings
+from batchrnn.study.protocol import ProtocolError, can_widen, nothing_to_train, stage_settings
 from batchrnn.training.identity import run_name, variant_key
 from batchrnn.study.sweep import STOP_FILE, job_threads, jobs_at_once
 
@@ -80,9 +82,12 @@ def stages(overrides: list[str], cfg: DictConfig | None = None) -> list[tuple[st
              for i in range(1, p.widen + 1)] if can_widen(p.lrs) else []
     augment = [("augment", [*overrides, "protocol.stage=augment", f"seed={as_list(p.tune_seeds)}"])
                ] if p.tune_spec_augment else []
+    patience = [(f"patience {i}" if p.tune_patience > 1 else "patience",
+                 [*overrides, "protocol.stage=patience", f"seed={as_list(p.tune_seeds)}"])
+                for i in range(1, p.tune_patience + 1)]
     return [("tune", [*overrides, "protocol.stage=tune", f"train.lr={as_list(p.lrs)}",
                       f"seed={as_list(p.tune_seeds)}"]),
-            *widen, *augment, ("final", [*overrides, "protocol.stage=final", f"seed={as_list(p.seeds)}"])]
+            *widen, *augment, *patience, ("final", [*overrides, "protocol.stage=final", f"seed={as_list(p.seeds)}"])]
 
 
 def exit_status(code: int) -> int:
@@ -92,7 +97,7 @@ def exit_status(code: int) -> int:
 
 @dataclass
 class Job:
-    stage: str  # the stage's name: tune, widen [i], augment, final
+    stage: str  # the stage's name: tune, widen [i], augment, patience [i], final
     rank: int  # the stage's place: a job waits until its variant's jobs of lower rank have ended
     variant: str  # what the tuning chooses for (identity.variant_key): every setting but the seed, rate (SpecAugment)
     overrides: list[str]  # one run's, as a sweep of the stage would give that job
@@ -178,7 +183,7 @@ class Pool:
             print(f"error: {e}", file=sys.stderr, flush=True)
             return 2
         if chosen is None:
-            print(f"study: {nothing_to_widen(config)}", flush=True)
+            print(f"study: {nothing_to_train(config)}", flush=True)
             return 0
         cfg = job.cfg.copy()
         for key, value in chosen.items():

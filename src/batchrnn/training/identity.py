@@ -18,6 +18,8 @@ NEUTRAL = ("study", "protocol", "logger", "decode", "data.lm_text", "data.archiv
            "data.train", "data.val", "data.test", "train.device", "train.threads", "train.rerun", "train.dist_timeout_s")
 SEED, LR = "seed", "train.lr"
 AUGMENT = "train.spec_augment.enabled"  # tuned beside the rate where protocol.tune_spec_augment is set
+# The plateau schedule's patience, tuned as one where protocol.tune_patience is set: the waits and the cap together
+SCHEDULE = ("train.plateau_wait", "train.patience", "train.epochs")
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -99,7 +101,12 @@ def augment_on(config: dict) -> bool:
     return bool(config.get("train", {}).get("spec_augment", {}).get("enabled", True))
 
 
+def tunes_patience(config: dict) -> bool:
+    """Whether the run's study tunes the plateau schedule's patience (protocol.tune_patience)."""
+    return bool((config.get("protocol") or {}).get("tune_patience"))
+
+
 def variant_key(config: dict) -> str:
-    """What the tuning stages choose for: every setting but the seed, the rate and, where the study tunes it,
-    whether SpecAugment is on."""
-    return setting_key(config, (SEED, LR, AUGMENT) if tunes_augment(config) else (SEED, LR))
+    """What the tuning stages choose for: every setting but the seed, the rate and, where the study tunes them,
+    whether SpecAugment is on and the schedule's patience (SCHEDULE)."""
+    return setting_key(config, (SEED, LR) + (AUGMENT,) * tunes_augment(config) + SCHEDULE * tunes_patience(config))

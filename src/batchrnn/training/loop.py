@@ -4,10 +4,12 @@
 The run folder's files are batchrnn.training.rundir's business; this module is the loop and what it measures.
 """
 import contextlib
+import functools
 import logging
 import math
 import random
 import statistics
+import subprocess
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -413,4 +415,18 @@ def results_of(cfg: DictConfig, preset: str | None, run: Run, progress: Progress
         "recurrence_kernel": run.model.rnns[0].recurrence_kernel(run.device),
         "skipped_steps": progress.skipped_steps, "ctc_skipped_utterances": run.ctc_skipped,
         "corpus": run.corpus_summary,
+        "commit": code_commit(),  # the code that trained it: a study's report names its commits
     }
+
+
+@functools.cache  # once a process: the code it loaded, even if the checkout moves on meanwhile
+def code_commit(where: Path = Path(__file__).resolve().parent) -> str:
+    """`git rev-parse HEAD` of the checkout `where` lies in (by default the one this package runs from), or
+    "unknown" outside a git checkout (an installed wheel, a copied tree, no git). A study runs from a pinned
+    checkout, so this is the study's commit."""
+    try:
+        found = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"],
+                               capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return found.stdout.strip() if found.returncode == 0 and found.stdout.strip() else "unknown"

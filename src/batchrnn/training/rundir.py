@@ -129,7 +129,9 @@ class RunFolder:
             atomic_write(self.file(BEST), lambda tmp: shutil.copyfile(source / BEST, tmp))
         if (source / LOG).exists():  # in place, not replaced: the run's log handler (logging()) has it open and
             shutil.copyfile(source / LOG, self.file(LOG))  # appends after the copy, the line below among it
-        found["config"] = found["config"] | {"study": config["study"]}
+        # filed under this study's bookkeeping (neutral settings): its protocol's stage and seed lists, so that
+        # the run counts in this study as one of its own; where it was trained stays in reused_from and commit
+        found["config"] = found["config"] | {"study": config["study"], "protocol": config["protocol"]}
         self.write_results(found | {"study": config["study"], "preset": preset, "reused_from": str(source)})
         log.info("%s: the finished run %s has the same settings; taken, not trained again", self.path, source)
         return True

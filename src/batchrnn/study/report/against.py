@@ -9,7 +9,7 @@ import math
 from batchrnn.study.report import plots
 from batchrnn.study.report.render import interval, name_of
 from batchrnn.study.report.summary import Summary
-from batchrnn.training.identity import AUGMENT
+from batchrnn.training.identity import AUGMENT, SCHEDULE
 
 # How a head-to-head verdict of the earlier study reads in the new one (significant: Holm-adjusted, each
 # study's own family).
@@ -33,8 +33,11 @@ def verdict_rows(summary: Summary) -> dict[tuple, dict]:
 
 
 def chosen(row: dict) -> str:
-    augment = row["settings"].get(AUGMENT)
-    return f"lr {row['lr']:g}" + ("" if augment is None else ", SpecAugment " + ("on" if augment else "off"))
+    """The settings its study chose: the rate, SpecAugment and the schedule's patience where they vary by row."""
+    s = row["settings"]
+    augment, (wait, patience) = s.get(AUGMENT), (s.get(key) for key in SCHEDULE[:2])
+    return (f"lr {row['lr']:g}" + ("" if augment is None else ", SpecAugment " + ("on" if augment else "off"))
+            + ("" if patience is None else f", patience {wait}/{patience}"))
 
 
 def cell(row: dict | None, name: str, scale: float = 1.0, digits: int = 1) -> str:
@@ -110,8 +113,8 @@ def markdown(earlier: Summary, new: Summary, plot: str | None = None) -> str:
     return "\n".join([
         f"# {new.study} against {earlier.study}", "",
         f"- Earlier: `{earlier.sweep_dir}` (preset {earlier.preset}); new: `{new.sweep_dir}` (preset {new.preset}).",
-        "- Each variant at the settings its own study chose on validation (rate, and SpecAugment where that study "
-        "tuned it), test WER the mean over its seeds. † marks runs that reached the cap or the floor while "
+        "- Each variant at the settings its own study chose on validation (rate, and SpecAugment and the "
+        "schedule's patience where that study tuned them), test WER the mean over its seeds. † marks runs that reached the cap or the floor while "
         "validation still improved. Train loss is at the tested epoch: a variant that trails with a higher train "
         "loss is underfit, not beaten.",
         "- The change in test WER is not a test: the two studies' runs are different runs. Significance is each "

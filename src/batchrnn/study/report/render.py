@@ -4,11 +4,11 @@ computed here beyond formatting.
 import math
 
 from batchrnn.config import Impl
-from batchrnn.study.protocol import can_widen
+from batchrnn.study.protocol import can_widen, patience_label
 from batchrnn.layers import backend
 from batchrnn.study.report.stats import ALPHA
-from batchrnn.study.report.summary import (BUILDS_ON, DEPTH, LEFT_BLANK, NONE, Summary, column_name,
-                                           setting_value, shown)
+from batchrnn.study.report.summary import (BUILDS_ON, DEPTH, LEFT_BLANK, NONE, UNRECORDED, Summary,
+                                           column_name, setting_value, shown)
 
 FAMILY_WISE = f"a family-wise {ALPHA:.0%} level, Holm–Bonferroni"
 
@@ -55,6 +55,9 @@ def header(summary: Summary) -> list[str]:
         lines.append(f"- Only the runs with {shown(summary.only['settings'])} (`--only`): {summary.only['left_out']} "
                      "other runs in the folder are in no table, plot or comparison.")
     lines.append(compute_line(summary))
+    if set(summary.commits) != {UNRECORDED}:  # since results.json records it: say what code made the numbers
+        lines.append("- Trained at commit " + "; ".join(f"{commit} ({n} run{'s' * (n > 1)})" for commit, n in summary.commits.items())
+                     + " (results.json's `commit`; runs taken from another study keep the commit they were trained at)")
     if len(summary.machines) > 1:
         lines.append(f"- Machines: {len(summary.machines)} ({'; '.join(summary.machines)}). Runs are deterministic on "
                      "one machine only, and epoch times of different machines differ (up to 1.7x seen here), so the "
@@ -91,9 +94,13 @@ def grown(p: dict) -> str:
 
 def protocol(summary: Summary) -> list[str]:
     p = summary.protocol
-    augment = bool(p.get("tune_spec_augment"))
+    augment, patience = bool(p.get("tune_spec_augment")), p.get("tune_patience", 0)
+    base = tuple(p.get("schedule") or ())
+    patience = patience if base else 0  # no run of stage tune read: no schedule to double
+    steps = range(patience + 1) if patience else []
     rates = sorted({lr for t in summary.tuning for lr in t["grid"]} | set(p["lrs"]))  # the grid, and where it widened
-    lines = ["## Protocol: each variant's learning rate" + " and SpecAugment" * augment + ", chosen on validation", "",
+    lines = ["## Protocol: each variant's learning rate" + " and SpecAugment" * augment
+             + " and the schedule's patience" * bool(patience) + ", chosen on validation", "",
              f"- Grid (`protocol.lrs`): {', '.join(f'{lr:g}' for lr in p['lrs'])}; tuning seeds "
              f"(`protocol.tune_seeds`): {', '.join(map(str, p['tune_seeds']))}; seeds of the verdict "
              f"(`protocol.seeds`): {', '.join(map(str, p['seeds']))}" + grown(p) + ".",
@@ -107,12 +114,22 @@ def protocol(summary: Summary) -> list[str]:
              + ("Then SpecAugment (`protocol.tune_spec_augment`, stage augment): the tuning seeds train once more at "
                 "the chosen rate with SpecAugment off, and the variant keeps off only where its mean best validation "
                 "WER is lower; the rates were tuned with it on. " if augment else "")
+             + (f"Then the schedule's patience (`protocol.tune_patience`, stage patience): the tuning seeds train once "
+                f"more at the chosen settings with `train.plateau_wait`, `train.patience` and the cap `train.epochs` "
+                f"doubled ({patience_label(base, 0)} to {patience_label(base, 1)}), and the variant keeps the more "
+                f"patient schedule only where its mean best validation WER is lower; where it does, the schedule "
+                f"doubles again, up to {patience} time{'s' * (patience > 1)} in all. The search is by coordinates: "
+                f"{'the rate and SpecAugment were' if augment else 'the rate was'} chosen at the shorter patience "
+                f"({patience_label(base, 0)}), and not again at the longer one. " if patience else "")
              + "The tables below hold each variant's runs at its chosen settings only; the tuning run there is "
              "also that seed's run of the verdict.", "",
              "Best validation WER % by learning rate (mean over the tuning seeds; ✓ chosen, … not finished, blank: "
-             "outside that variant's grid)" + ("; SpecAugment off: at the chosen rate" if augment else "") + ":", "",
-             "| variant | " + " | ".join(f"lr {lr:g}" for lr in rates) + " | SpecAugment off | SpecAugment |" * augment
-             + " |" * (not augment), "|---|" + "---:|" * len(rates) + "---:|---|" * augment]
+             "outside that variant's grid)" + ("; SpecAugment off: at the chosen rate" if augment else "")
+             + ("; the schedules (plateau_wait/patience, cap): at the chosen rate and SpecAugment" if patience else "")
+             + ":", "",
+             "| variant | " + " | ".join(f"lr {lr:g}" for lr in rates) + " | SpecAugment off | SpecAugment" * augment
+             + "".join(f" | {patience_label(base, k)}" for k in steps) + " |",
+             "|---|" + "---:|" * len(rates) + "---:|---|" * augment + "---:|" * len(steps)]
     edges = []
     for t in summary.tuning:
         cells = []
@@ -131,6 +148,11 @@ def protocol(summary: Summary) -> list[str]:
                     else f"{100 * off:.1f}")
             cells += [f"**{cell} ✓**" if t["augment"] is False else cell,
                       {True: "on", False: "off", None: "…"}[t["augment"]]]
+        for k in steps:
+            wer = t["by_patience"].get(k)
+            cell = ("" if k not in t["patience_grid"] else "…" if wer is None else "diverged" if math.isinf(wer)
+                    else f"{100 * wer:.1f}")
+            cells.append(f"**{cell} ✓**" if k == t["patience"] else cell)
         lines.append(f"| {t['label']} | " + " | ".join(cells) + " |")
     if edges:
         lines += ["", "Chosen at an edge of its grid, so a rate beyond it might do better still: "
@@ -151,9 +173,35 @@ def protocol(summary: Summary) -> list[str]:
         lines += ["", "SpecAugment still tuning, so in no verdict yet: " + "; ".join(
             f"{t['label']} (seeds {', '.join(map(str, t['augment_missing']))} with it off at lr {t['lr']:g})"
             for t in pending) + "."]
+    pending = [t for t in summary.tuning if patience and t["patience_grid"] and t["patience"] is None]
+    if pending:
+        lines += ["", "Patience still tuning, so in no verdict yet: " + "; ".join(
+            f"{t['label']} (missing or unfinished schedule, seed: "
+            + ", ".join(f"{patience_label(base, k)}, {seed}" for k, seed in t["patience_missing"]) + ")"
+            for t in pending) + "."]
+    edge = [t["label"] for t in summary.tuning if patience and t["patience"] == patience]
+    if edge:
+        lines += ["", f"The most patient schedule tried ({patience_label(base, patience)}) won, so a more patient one "
+                  f"might do better still: {', '.join(edge)}. Raise `protocol.tune_patience` to look further."]
     if summary.off_grid:
-        lines += ["", f"At a rate outside the grid, in no table: {', '.join(summary.off_grid)}."]
-    return lines + [""]
+        lines += ["", ("Outside the search (a rate outside the grid, or a schedule that is no doubling of the tuned one)"
+                       if patience else "At a rate outside the grid") + f", in no table: {', '.join(summary.off_grid)}."]
+    return lines + ["", preregistered(summary.preregistered), ""]
+
+
+def preregistered(r: dict) -> str:
+    """Whether the verdict's seeds were fixed before its runs (summary.preregistration), in one line."""
+    seeds = ", ".join(map(str, r["seeds"] or []))
+    if r["held"]:
+        return (f"- Seeds fixed in advance: every row of the verdict holds exactly the seeds {seeds} that the preset "
+                f"`{r['preset']}` gives (`protocol.seeds`, conf/experiment/{r['preset']}.yaml), and every run of the "
+                "study was made with that one list; the commits its runs were trained at are in the head.")
+    why = ("no one preset writes its seeds" if r["seeds"] is None else
+           f"its runs were made with the seed lists {' and '.join(map(str, r['seed_lists']))}, seeds added after "
+           "results could be seen" if len(r["seed_lists"]) > 1 else
+           f"the preset `{r['preset']}` writes seeds {seeds}, and these rows hold others: {', '.join(r['differ'])}"
+           if r["differ"] else f"the runs were made with {r['seed_lists'][0]}, not the preset's seeds {seeds}")
+    return f"- Not pre-registered: {why}. The verdict is over the seeds each row's n says."
 
 
 def identity_head(summary: Summary) -> list[str]:
@@ -405,7 +453,11 @@ def as_json(summary: Summary, plots: list[str]) -> dict:
         "stopped_runs": summary.stopped,
         "duplicates": summary.duplicates, "protocol": summary.protocol, "tuning": summary.tuning,
         "off_grid": summary.off_grid, "failed": summary.failed, "unpaired": summary.unpaired,
-        "compute": summary.compute, "drift": summary.drift, "only": summary.only,
+        "compute": summary.compute, "drift": summary.drift, "only": summary.only, "commits": summary.commits,
+        "preregistered": summary.preregistered,
+        # the verdict's run folders: where each final run's LM decoding (the `decode` of issue 49) is attached
+        "verdict_runs": [{"label": row["label"], "seed": run["seed"], "path": run["path"]}
+                         for row in summary.rows for run in row["_finished"]],
         "significance": significance(summary) if summary.rows else None,
         "splits": splits(summary) if summary.rows else None, "plots": plots,
         "rows": [public(r) for r in summary.rows], "comparisons": [public(c) for c in summary.comparisons],

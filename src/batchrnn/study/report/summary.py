@@ -11,11 +11,11 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchrnn.config import BNMode, Impl, RNNType
+from batchrnn.config import BNMode, Impl, RNNType, Schedule
 from batchrnn.config import Stage
-from batchrnn.study.protocol import protocol_choice
-from batchrnn.training.identity import (AUGMENT, LR, SEED, augment_on, canonical, known_settings, placement, settings,
-                                        variant_key)
+from batchrnn.study.protocol import patience_step, protocol_choice, schedule_of
+from batchrnn.training.identity import (AUGMENT, LR, SCHEDULE, SEED, augment_on, canonical, known_settings, placement,
+                                        settings, variant_key)
 from batchrnn.study.report.stats import ALPHA, first_reach, holm, mean_std, paired_bootstrap, utterance_errors
 from batchrnn.training.rundir import read_study
 
@@ -72,6 +72,8 @@ class Summary:
     drift: list[dict]  # rows whose seeds' epoch times differ by more than DRIFT: time_drift
     only: dict  # {setting: [values]}: the runs kept (`--only`), and how many others the folder holds
     logger: dict  # the runs' W&B project, entity and tags
+    commits: dict[str, int]  # the code's commit each run was trained at (results.json's "commit") -> runs
+    preregistered: dict | None  # under a protocol: whether the verdict's seeds are the preset's (preregistration)
     # Decoded with the word LM as well (results.json's `lm`, batchrnn.decoding): a second family of comparisons,
     # Holm-corrected on its own, over the rows whose every seed was decoded; None when no run was (lm_family).
     lm: dict | None = None
@@ -103,7 +105,7 @@ def build(sweep_dir: Path, now: float | None = None, only: dict[str, list[str]] 
     runs, duplicates = by_setting(records)
     kept = [run["result"] for group in runs.values() for run in group]
     protocol = protocol_of(kept)
-    choice = protocol_choice(kept, protocol) if protocol else {}
+    choice = protocol_choice(kept, protocol, tuple(protocol["schedule"] or ())) if protocol else {}
     devices = defaultdict(set)  # the rate is chosen per variant whatever ran it (as the final stage chose it)
     for run in (run for group in runs.values() for run in group):
         devices[variant_key(run["result"]["config"])].add(run["settings"][COMPUTED])
@@ -140,7 +142,42 @@ def build(sweep_dir: Path, now: float | None = None, only: dict[str, list[str]] 
         failed=[r["label"] for r in rows if r["role"] == "verdict" and not r["n"] and r["diverged"]],
         curves=[r for r in rows if r["role"] in ("verdict", "pending")], comparisons=comparisons, unpaired=unpaired,
         compute=training_time(rows), drift=time_drift(verdict), only={"settings": only or {}, "left_out": left_out},
-        logger=next((r["config"]["logger"] for r in kept if isinstance(r["config"].get("logger"), dict)), {}), lm=lm)
+        logger=next((r["config"]["logger"] for r in kept if isinstance(r["config"].get("logger"), dict)), {}),
+        commits=dict(Counter(r.get("commit") or UNRECORDED for r in kept).most_common()),
+        preregistered=preregistration(protocol, verdict, distinct(kept, "preset")) if protocol else None, lm=lm)
+
+
+UNRECORDED = "not recorded"  # runs trained before results.json recorded the code's commit
+
+
+def preset_seeds(preset: str) -> list[int] | None:
+    """protocol.seeds as the preset (conf/experiment/<preset>.yaml, with its defaults) writes them today; None
+    where no such preset composes (a hand-named or removed one)."""
+    from hydra import compose, initialize_config_dir  # the report of a plain sweep never needs Hydra
+    from hydra.errors import HydraException
+
+    from batchrnn.config import register_configs
+
+    register_configs()
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return sorted(compose(config_name="config", overrides=[f"experiment={preset}"]).protocol.seeds)
+    except (HydraException, ValueError):
+        return None
+
+
+CONF = Path(__file__).resolve().parents[4] / "conf"
+
+
+def preregistration(protocol: dict, verdict: list[dict], preset: str) -> dict:
+    """Whether the verdict is over seeds fixed before its runs: its preset writes protocol.seeds, every run of the
+    study was made with that one list (no seeds added after results were seen), and every verdict row holds
+    exactly those seeds (each run to its end, finished or diverged). `held` is False otherwise, and `differ`
+    names the rows whose seeds are not the preset's."""
+    fixed = preset_seeds(preset) if "," not in preset else None  # runs of several presets: no one preset
+    differ = [row["label"] for row in verdict if sorted(r["seed"] for r in row["_trained"]) != fixed]
+    return {"preset": preset, "seeds": fixed, "seed_lists": protocol["seed_lists"], "differ": differ,
+            "held": fixed is not None and protocol["seed_lists"] == [fixed] and not differ}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -195,8 +232,16 @@ def run_record(result: dict, now: float) -> dict:
     if "train_loss_at_best" not in result:  # recorded since issue 28; the same value, from an older run's epochs
         result = result | {"train_loss_at_best": train_loss_at(result)}
     return {"seed": s.get(SEED), "status": status_of(result, now), "path": result["path"], "settings": s,
-            "epochs": result.get("epochs") or [], "improving_at_cap": bool(result.get("improving_at_cap")),
+            "epochs": result.get("epochs") or [], "improving_at_cap": capped(result),
             "result": result}
+
+
+def capped(result: dict) -> bool:
+    """Whether the report marks the run with †: it stopped at the cap or the rate's floor still improving, or,
+    under train.schedule=plateau (whose cap is set out of reach, so that runs stop by their own validation), it
+    reached the cap at all."""
+    plateau = (result["config"].get("train") or {}).get("schedule") == Schedule.plateau.value
+    return bool(result.get("improving_at_cap")) or (plateau and result.get("stop") == "cap")
 
 
 def train_loss_at(result: dict) -> float | None:
@@ -265,10 +310,15 @@ def protocol_of(results: list[dict]) -> dict | None:
     # How far grids widen: the most any run was made under (a finished run keeps the setting it ran with, so
     # the tuning runs of a study later run with a larger protocol.widen still say the smaller); runs from
     # before the setting existed were made without widening.
+    # The schedule the rates were tuned at: stage patience doubles it (protocol.tune_patience)
+    tuned_at = Counter(schedule_of(r["config"]) for r in results
+                       if (r["config"].get("protocol") or {}).get("stage") == Stage.tune.value)
     return json.loads(common) | {
         "seeds": sorted(set().union(*seed_lists)), "seed_lists": [list(s) for s in seed_lists],
         "widen": max(p.get("widen", 0) for p in protocols),
-        "tune_spec_augment": any(p.get("tune_spec_augment") for p in protocols)}
+        "tune_spec_augment": any(p.get("tune_spec_augment") for p in protocols),
+        "tune_patience": max(p.get("tune_patience", 0) for p in protocols),
+        "schedule": list(tuned_at.most_common(1)[0][0]) if tuned_at else None}
 
 
 def thread_count(result: dict) -> str:
@@ -381,25 +431,38 @@ def make_row(runs: list[dict], columns: list[str], protocol: dict | None, choice
 
 
 def role(config: dict, protocol: dict | None, choice: dict) -> str:
-    """verdict: in the results table; tuning: at a rate its variant did not choose; pending: its variant's
-    tuning is not complete; off_grid: at a rate outside its variant's grid (protocol.lrs, widened)."""
+    """verdict: in the results table; tuning: at a setting its variant did not choose; pending: its variant's
+    tuning is not complete; off_grid: outside its variant's search (a rate outside protocol.lrs, widened; SpecAugment
+    off or a doubled schedule away from the chosen rate; a schedule no doubling of the one the rates were tuned at).
+    The search is by coordinates: rates at the base schedule with SpecAugment on, then SpecAugment off at the chosen
+    rate, then the schedule doubled at both choices (batchrnn.study.protocol.choose_lrs)."""
     if protocol is None:
         return "verdict"
-    lr, entry = config["train"]["lr"], choice[variant_key(config)]
-    if lr not in entry["grid"]:
+    entry = choice.get(variant_key(config))
+    step = patience_step(config, tuple(protocol["schedule"] or ())) if protocol.get("tune_patience") else 0
+    if entry is None or step is None or config["train"]["lr"] not in entry["grid"]:
         return "off_grid"
-    chosen = entry["lr"]
-    if protocol.get("tune_spec_augment"):  # stage augment: off is tried at the chosen rate only
-        on = augment_on(config)
-        if chosen is None or lr != chosen:
-            return "pending" if chosen is None else "tuning" if on else "off_grid"
-        return "pending" if entry["augment"] is None else "verdict" if on == entry["augment"] else "tuning"
-    return "pending" if chosen is None else "verdict" if lr == chosen else "tuning"
+    on = augment_on(config) if protocol.get("tune_spec_augment") else None
+    if entry["lr"] is None:
+        return "pending"
+    if config["train"]["lr"] != entry["lr"]:
+        return "tuning" if on is not False and step == 0 else "off_grid"
+    if on is not None:  # stage augment: off is tried at the chosen rate only
+        if entry["augment"] is None:
+            return "pending"
+        if on != entry["augment"]:
+            return "tuning" if step == 0 else "off_grid"
+    if protocol.get("tune_patience"):  # stage patience: doublings at the chosen rate and SpecAugment only
+        if entry["patience"] is None:
+            return "pending" if step in entry["patience_grid"] or step == 0 else "off_grid"
+        return "verdict" if step == entry["patience"] else "tuning" if step in entry["patience_grid"] else "off_grid"
+    return "verdict"
 
 
 def tuned(protocol: dict) -> tuple[str, ...]:
-    """The settings the protocol chooses per variant: the rate, and SpecAugment where protocol.tune_spec_augment."""
-    return (LR, AUGMENT) if protocol.get("tune_spec_augment") else (LR,)
+    """The settings the protocol chooses per variant: the rate, SpecAugment where protocol.tune_spec_augment, the
+    schedule's waits and cap where protocol.tune_patience."""
+    return (LR,) + (AUGMENT,) * bool(protocol.get("tune_spec_augment")) + SCHEDULE * bool(protocol.get("tune_patience"))
 
 
 def training_time(rows: list[dict]) -> dict:
@@ -428,7 +491,8 @@ def tuning_table(rows: list[dict], choice: dict, protocol: dict | None) -> list[
         labels.setdefault(variant_key(row["_runs"][0]["result"]["config"]), row["variant"])
     return [{"label": label, "lr": choice[key]["lr"], "missing": choice[key]["missing"], "grid": choice[key]["grid"],
              "by_lr": {value(lr): wer for lr, wer in choice[key]["by_lr"].items()},
-             **{k: choice[key][k] for k in ("augment", "by_augment", "augment_missing") if k in choice[key]}}
+             **{k: choice[key][k] for k in ("augment", "by_augment", "augment_missing", "patience", "patience_grid",
+                                            "by_patience", "patience_missing") if k in choice[key]}}
             for key, label in labels.items()]
 
 

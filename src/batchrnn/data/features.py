@@ -18,7 +18,7 @@ import torch
 import torchaudio
 
 from batchrnn.config import DataConfig
-from batchrnn.data.base import SAMPLE_RATE, Corpus
+from batchrnn.data.base import SAMPLE_RATE, Corpus, feature_bins
 from batchrnn.errors import one_line
 from batchrnn.storage import atomic_write
 from batchrnn.data.text import encode
@@ -39,10 +39,7 @@ class Featurizer:
         self.mel = None  # mel bands shrink the conv front end's work; 0 keeps all 161 linear bins
         if cfg.n_mels > 0:
             self.mel = torchaudio.transforms.MelScale(cfg.n_mels, SAMPLE_RATE, n_stft=self.n_fft // 2 + 1)
-
-    @property
-    def num_features(self) -> int:
-        return self.mel.n_mels if self.mel is not None else self.n_fft // 2 + 1
+        self.num_features = feature_bins(cfg)
 
     @torch.no_grad()
     def __call__(self, audio: torch.Tensor) -> torch.Tensor:

@@ -131,7 +131,9 @@ def share_of_bound(theirs, values: list, scale: float) -> float:
     """How far the 2 ranks' number or tensor lies from one process's (values[0]), as a share of its bound: SPREAD
     times the largest distance between the one-process values (each batch summed in its own order and ORDERS'),
     plus ULPS of scale. Over 1: outside."""
-    distance = lambda a, b: float((a.double() - b.double()).abs().max()) if torch.is_tensor(a) else abs(a - b)  # noqa: E731
+    def distance(a, b) -> float:
+        return float((a.double() - b.double()).abs().max()) if torch.is_tensor(a) else abs(a - b)
+
     spread = max(distance(a, b) for a, b in itertools.combinations(values, 2))
     return distance(theirs, values[0]) / (SPREAD * spread + ULPS * scale)
 

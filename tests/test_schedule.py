@@ -120,8 +120,8 @@ def test_time_masks_are_refused_where_they_could_cover_a_typical_utterance_and_w
     assert not caplog.records
     augment().check([30, 40, 50, 60, 70])
     (record,) = caplog.records
-    assert record.getMessage() == ("train.spec_augment: 2 time masks of up to 20 frames could cover the 2 shortest of 5 "
-                                   "training utterances (40 frames or fewer) whole")
+    assert record.getMessage() == ("train.spec_augment: 2 time masks of up to 20 frames could cover the 2 shortest "
+                                   "of 5 training utterances (40 frames or fewer) whole")
     with pytest.raises(ConfigError, match=r"train.spec_augment.time_width=30: 2 masks of up to 30 frames could cover "
                                           r"the median training utterance \(60 frames\) whole"):
         augment(time_width=30).check([30, 40, 60, 61, 70])

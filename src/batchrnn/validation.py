@@ -89,5 +89,6 @@ def validate(cfg: Config | DictConfig) -> None:
     if sa.freq_masks * sa.freq_width > (bins := feature_bins(d)):
         raise ConfigError(f"train.spec_augment.freq_width={sa.freq_width}: {sa.freq_masks} masks of up to "
                           f"{sa.freq_width} bins could cover all {bins} feature bins, and train on zeros; give "
-                          f"freq_masks x freq_width at most {bins} (Park et al.'s LD policy: 2 masks of up to 27 of 80 bins)")
+                          f"freq_masks x freq_width at most {bins} (Park et al.'s LD policy: 2 masks of up to 27 of "
+                          "80 bins)")
     check_variant(m)

@@ -106,7 +106,7 @@ class StaleFeatures(ValueError):
 
 
 def stamp(path: str) -> list[int] | None:
-    """What says cheaply that an audio file changed: its size and modification time (None: it cannot be read)."""
+    """What says cheaply that an audio file changed: its size and modification time (None: it cannot be looked up)."""
     try:
         st = os.stat(path)
     except OSError:

@@ -26,6 +26,24 @@ VARIANTS = [pytest.param(b, {}, id=b) for b in FUSED] + [
     pytest.param("wn", {"weight_norm_recurrent": True}, id="wn-recurrent")]
 
 
+# A float32 result may be up to 10 times as far from float64's as torch's own float32 kernel's, measured beside it on
+# the CPU at hand (vector widths and kernels differ, so no fixed bound fits every CPU), plus a few units of
+# float32's rounding where torch's happens to be exact; a wrong gate order or bias would be off by O(1). On an AMD
+# EPYC with AVX-512 the oneDNN kernel's errors were at most 3.3 times torch's (1e-7 of the largest value).
+FLOAT32_ULPS = 8 * torch.finfo(torch.float32).eps
+
+
+def assert_as_close_as_torchs(ours: list, torchs: list, reference: list, what: list[str]) -> None:
+    """Each of ours against its float64 reference, as close as torch's float32 one comes; errors relative to the
+    largest reference value of all (a gradient that is 0 in exact arithmetic, a bias before BN, has no scale of its
+    own)."""
+    scale = max(float(r.detach().abs().max()) for r in reference)
+    for a, b, r, name in zip(ours, torchs, reference, what, strict=True):
+        error = {kernel: float((v.detach().double() - r.detach()).abs().max()) / scale
+                 for kernel, v in (("ours", a), ("torch's", b))}
+        assert error["ours"] <= 10 * error["torch's"] + FLOAT32_ULPS, (name, error)
+
+
 def test_the_fused_variants_are_the_seven():
     assert sorted(b.value for b, c in LAYERS.items() if c.fused) == FUSED
 
@@ -43,8 +61,8 @@ def test_the_kernel_is_built():
 @needs_kernel
 @pytest.mark.parametrize("shape", [(6, 3, 7, 5), (67, 16, 64, 32)], ids=["tiny", "an4-length"])
 def test_lbr_gru_is_torchs_gru(shape):
-    """Against nn.GRU in float64 on the same float32 values: outputs and the gradient of every input. oneDNN's
-    RNNs have no float64, so this is float32's accuracy; a wrong gate order or bias would be off by O(1)."""
+    """Against nn.GRU in float64 on the same float32 values: outputs and the gradient of every input, as close as
+    torch's float32 nn.GRU comes (FLOAT32_ULPS). oneDNN's RNNs have no float64, so this is float32's accuracy."""
     t, n, d, h = shape
     torch.manual_seed(0)
     gru = nn.GRU(d, h, dtype=torch.float64)
@@ -52,20 +70,25 @@ def test_lbr_gru_is_torchs_gru(shape):
     ours = [p.detach().float().requires_grad_() for p in
             (gru.weight_ih_l0, gru.bias_ih_l0, gru.weight_hh_l0, gru.bias_hh_l0)]
     ours.insert(0, x)
-    ref = [p.detach().double().requires_grad_() for p in ours]
-    y, y_ref = cpu_gru.recurrence(*ours), torch.func.functional_call(
-        gru, dict(zip(KERNEL_WEIGHTS, (ref[1], ref[3], ref[2], ref[4]))), (ref[0],))[0]
-    assert y.dtype == torch.float32
-    torch.testing.assert_close(y.double(), y_ref, rtol=1e-5, atol=1e-6)
+    ref, torchs = ([p.detach().to(dtype).requires_grad_() for p in ours] for dtype in (torch.float64, torch.float32))
+
+    def nn_gru(inputs):
+        return torch.func.functional_call(gru, dict(zip(KERNEL_WEIGHTS, (inputs[1], inputs[3], inputs[2], inputs[4]))),
+                                          (inputs[0],))[0]
+
+    y, y_ref, y_torch = cpu_gru.recurrence(*ours), nn_gru(ref), nn_gru(torchs)
+    assert y.dtype == torch.float32 and y_torch.dtype == torch.float32
+    assert_as_close_as_torchs([y], [y_torch], [y_ref], ["output"])
     weight = torch.linspace(-1, 1, h)
     grads = torch.autograd.grad((y * weight).sum(), ours)
     grads_ref = torch.autograd.grad((y_ref * weight.double()).sum(), ref)
-    for name, a, b in zip(["x", "w_ih", "b_ih", "w_hh", "b_hh"], grads, grads_ref, strict=True):
-        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    grads_torch = torch.autograd.grad((y_torch * weight).sum(), torchs)
+    assert_as_close_as_torchs(grads, grads_torch, grads_ref, ["x", "w_ih", "b_ih", "w_hh", "b_hh"])
 
 
-def run_layer(bn, kw, bidirectional, aten, monkeypatch):
-    """Output and every gradient of one float32 layer on ragged lengths, with the oneDNN kernel or torch's."""
+def run_layer(bn, kw, bidirectional, aten, monkeypatch, dtype=torch.float32):
+    """Output and every gradient of one layer on ragged lengths, with the oneDNN kernel or torch's; float64 (the same
+    values) runs torch's."""
     calls = []
     recurrence = cpu_gru.recurrence
     monkeypatch.setattr(cpu_gru, "recurrence", lambda *a: calls.append(a) or recurrence(*a))
@@ -76,9 +99,9 @@ def run_layer(bn, kw, bidirectional, aten, monkeypatch):
         for p in m.parameters():
             p.add_(torch.rand_like(p) * 0.2 - 0.1)
     torch.manual_seed(1)
-    x = torch.randn(T, N, D, requires_grad=True)
+    m, x = m.to(dtype), torch.randn(T, N, D).to(dtype).requires_grad_()
     y = m(x, LENGTHS)
-    grads = torch.autograd.grad((y * torch.linspace(-1, 1, H)).sum(), [x, *m.parameters()])
+    grads = torch.autograd.grad((y * torch.linspace(-1, 1, H, dtype=dtype)).sum(), [x, *m.parameters()])
     return y, grads, calls
 
 
@@ -89,12 +112,12 @@ def test_every_fused_gru_variant_runs_it_and_equals_torchs_kernel(bn, kw, bidire
     y, grads, calls = run_layer(bn, kw, bidirectional, aten=False, monkeypatch=monkeypatch)
     assert len(calls) == (2 if bidirectional else 1), "each direction is one oneDNN call"
     assert all(t.dtype == torch.float32 for a in calls for t in a)
-    y_ref, grads_ref, calls_ref = run_layer(bn, kw, bidirectional, aten=True, monkeypatch=monkeypatch)
-    assert not calls_ref
-    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-5)
+    y_torch, grads_torch, calls_torch = run_layer(bn, kw, bidirectional, aten=True, monkeypatch=monkeypatch)
+    assert not calls_torch
+    y_ref, grads_ref, _ = run_layer(bn, kw, bidirectional, aten=True, monkeypatch=monkeypatch, dtype=torch.float64)
+    assert_as_close_as_torchs([y], [y_torch], [y_ref], ["output"])
     assert torch.all(y[LENGTHS[-1]:, -1] == 0), "padded frames stay zero"
-    for a, b in zip(grads, grads_ref, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
+    assert_as_close_as_torchs(grads, grads_torch, grads_ref, [f"gradient {i}" for i in range(len(grads))])
 
 
 def test_float64_and_the_lstm_keep_torchs_kernel(monkeypatch):

@@ -270,7 +270,8 @@ def test_an_epoch_over_a_mapped_cache_keeps_resident_memory_flat(tmp_path):
         for length in lengths:
             f.write(rng.standard_normal((length, width), dtype=np.float32).tobytes())
     index.write_text(json.dumps({"version": features.CACHE_VERSION, "num_features": width,
-                                 "ids": [u.id for u in utts], "lengths": lengths}))
+                                 "ids": [u.id for u in utts], "lengths": lengths,
+                                 "audio": [features.stamp(u.path) for u in utts]}))
     size = features.frames_path(index).stat().st_size
     assert size > 200e6
     before = rss_anon()

@@ -2,9 +2,9 @@
 tasks) compute what one process computes, gradients and BatchNorm's synchronised moments included; ranks killed
 with -9 resume; a rank that stops answering ends the others with a clear error, not a hang."""
 import gc
+import itertools
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -16,18 +16,15 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from batchrnn.config import ConfigError, to_container
-from batchrnn.data.corpus import prepare_corpus
-from batchrnn.data.features import load_features
-from batchrnn.data.text import LABELS
-from batchrnn.model import DeepSpeech2
 from batchrnn.study import report
 from batchrnn.study.scheduler import Pool, jobs
 from batchrnn.study.sweep import job_threads
 from batchrnn.training import distributed
 from batchrnn.training.identity import run_name
-from batchrnn.training.loop import score, train
+from batchrnn.training.loop import train
 from batchrnn.training.rundir import BEST, CHECKPOINT, LOG, RESULTS
 from conftest import ROOT
+from planted_fault import FAULTS
 from ranks_gradient import gloo_threads, gradients
 from test_sweeps import launcher_config
 
@@ -38,12 +35,6 @@ RUN = [*RANKS, str(ROOT / "src" / "run.py")]
 VARIANTS = ["none", "input", "post", "seqwise", "ln"]
 AUGMENT = ["model.bn=seqwise", "train.spec_augment.per_utterance=true", "train.spec_augment.freq_masks=2",
            "train.spec_augment.time_masks=2"]
-# The first conv's bias comes before its BatchNorm, which takes it away: its gradient is 0 but for float rounding,
-# which AdamW turns into steps of the rate's size, so any other order of summation (2 ranks, or 2 torch threads in
-# one process) moves it, and the running mean that follows it, differently. Training's outputs cannot see it;
-# eval's running mean lags it, so validation loss differs by up to 0.6% after 3 smoke epochs (1 thread against 2 in
-# one process: 0.1%). Every other parameter and buffer agrees to float rounding.
-REDUNDANT = re.compile(r"front_end\.(layers\.\d+\.bias|norms\.\d+\.running_mean)$")
 
 
 def config(*overrides: str):
@@ -99,64 +90,102 @@ def state(path: Path) -> dict:
     return torch.load(path / CHECKPOINT, weights_only=False)["model"]
 
 
-def nudged(shift: float) -> type:
-    """DeepSpeech2 with the first conv's bias (REDUNDANT: BatchNorm takes it away) moved by shift, a few of AdamW's
-    steps at the smoke rate: what 2 ranks do to it, whose rounding-level gradient they sum in another order. In real
-    arithmetic it changes nothing; one process trained from it shows how far a difference of rounding carries."""
+# One process with each batch's utterances in another order: the same sums in real arithmetic, in another float32
+# order, as 2 ranks sum them (strided: each rank's share in turn). How far these runs drift apart is how far rounding
+# carries on this machine: a weight whose gradient is within rounding of 0 takes AdamW's first step of the rate's
+# size either way (on an Intel Xeon, gru-none's rnns.1.bias_ih[1, 70] at -5.8e-8), a branch of the trajectory. The
+# first conv's bias, which its BatchNorm takes away, has a gradient of rounding alone: it, and the running mean that
+# follows it, wander so, and eval's running mean lags it, so validation loss drifts too.
+ORDERS = {"reversed": lambda indices: indices[::-1], "strided": lambda indices: indices[0::2] + indices[1::2]}
+# The 2-rank run must lie within SPREAD times the largest distance between those runs (plus ULPS of the value, for
+# what they happen to compute alike). On an AMD EPYC with AVX-512 (Zen 4) it lay within 3 times that distance, every
+# variant (input's third validation loss); each planted fault (tests/planted_fault.py) 2.6e3 times or more, in its
+# farthest quantity. 30 leaves a factor of 10 to another CPU's rounding either way.
+SPREAD = 30
+ULPS = 64 * torch.finfo(torch.float32).eps
 
-    class Nudged(DeepSpeech2):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            with torch.no_grad():
-                self.front_end.layers[0].bias.add_(shift)
 
-    return Nudged
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, smoke_root):
+    """trained(*overrides) -> (the run's name, [(results, model state)] of one process, each batch in its own order,
+    then in each of ORDERS'), 3 smoke epochs; trained once per module."""
+    found = {}
+
+    def trained(*overrides: str):
+        if overrides not in found:
+            cfg = config(f"data.root={smoke_root}", "train.epochs=3", *overrides)
+            name, runs = run_name(to_container(cfg)), []
+            for order in [None, *ORDERS.values()]:
+                folder = tmp_path_factory.mktemp("one") / name
+                with pytest.MonkeyPatch.context() as m:
+                    if order:
+                        m.setattr(distributed, "share", order)  # one process: its batch is its share
+                    runs.append((train(cfg, folder), state(folder)))
+            found[overrides] = name, runs
+        return found[overrides]
+
+    return trained
+
+
+def share_of_bound(theirs, values: list, scale: float) -> float:
+    """How far the 2 ranks' number or tensor lies from one process's (values[0]), as a share of its bound: SPREAD
+    times the largest distance between the one-process values (each batch summed in its own order and ORDERS'),
+    plus ULPS of scale. Over 1: outside."""
+    def distance(a, b) -> float:
+        return float((a.double() - b.double()).abs().max()) if torch.is_tensor(a) else abs(a - b)
+
+    spread = max(distance(a, b) for a, b in itertools.combinations(values, 2))
+    return distance(theirs, values[0]) / (SPREAD * spread + ULPS * scale)
+
+
+def against_bounds(runs: list[tuple[dict, dict]], two: tuple[dict, dict]) -> dict[str, float]:
+    """share_of_bound of a 2-rank run (results, model state) against one process's runs, in each epoch's losses and
+    each weight and buffer."""
+    found, (results, model) = {}, two
+    for i, epoch in enumerate(results["epochs"]):
+        for key in ("train_loss", "val_loss"):
+            values = [r["epochs"][i][key] for r, _ in runs]
+            found[f"epoch {i + 1} {key}"] = share_of_bound(epoch[key], values, abs(values[0]))
+    for key, value in runs[0][1].items():
+        if value.is_floating_point():
+            found[key] = share_of_bound(model[key], [m[key] for _, m in runs], max(1.0, float(value.abs().max())))
+    return found
+
+
+def farthest(shares: dict[str, float]) -> str:
+    what = max(shares, key=shares.get)
+    return f"{what} at {shares[what]:.3g} of its bound"
 
 
 @pytest.mark.parametrize("overrides", [[f"model.bn={bn}"] for bn in VARIANTS] + [AUGMENT],
                          ids=VARIANTS + ["seqwise-specaugment"])
-def test_two_ranks_train_what_one_process_trains(two_ranks, smoke_root, tmp_path, overrides, monkeypatch):
-    cfg = config(f"data.root={smoke_root}", "train.epochs=3", *overrides)
-    name = run_name(to_container(cfg))
-    one = train(cfg, tmp_path / name)
-    # 2 ranks sum every gradient in another order than one process: a difference at the level of rounding. AdamW's
-    # first step moves every weight by the rate times the sign of its gradient, so a weight whose gradient is within
-    # rounding of 0 (on an Intel Xeon, gru-none's rnns.1.bias_ih[1, 70] at -5.8e-8) moves by +-3e-3 as that rounding
-    # falls: a branch of the trajectory (there, 5e-4 in the third epoch's training loss). One process nudged both
-    # ways says how far apart rounding can take the two; where it takes them nowhere the bounds are float rounding's.
-    near = []  # (results, model state) of one process nudged each way
-    for shift in (0.01, -0.01):
-        with monkeypatch.context() as m:
-            m.setattr("batchrnn.training.loop.DeepSpeech2", nudged(shift))
-            folder = tmp_path / f"nudged{shift}" / name
-            near.append((train(cfg, folder), state(folder)))
+def test_two_ranks_train_what_one_process_trains(two_ranks, one_process, overrides):
+    name, runs = one_process(*overrides)
+    one = runs[0][0]
     two_dir = two_ranks / name  # the same folder name: N ranks train the same run
     two = json.loads((two_dir / RESULTS).read_text())
     assert (two["status"], two["world_size"], one["world_size"]) == ("finished", 2, 1)
-
-    def close(key: str, rel: float, epoch: int, found: float) -> bool:
-        """found within rel of one process's value of key at that epoch, plus 3x as far as a nudge moved it."""
-        mine = one["epochs"][epoch][key]
-        return abs(found - mine) <= rel * abs(mine) + 3 * max(abs(n["epochs"][epoch][key] - mine) for n, _ in near)
-
-    for key, rel in (("train_loss", 1e-3), ("val_loss", 1e-2)):
-        assert all(close(key, rel, i, e[key]) for i, e in enumerate(two["epochs"])), [e[key] for e in two["epochs"]]
+    shares = against_bounds(runs, (two, state(two_dir)))
+    assert max(shares.values()) <= 1, {what: share for what, share in shares.items() if share > 1}
+    print(f"{name}: the farthest from one process, {farthest(shares)}")
     assert [u["id"] for u in two["test_utterances"]] == [u["id"] for u in one["test_utterances"]]
     # rank 0 alone wrote the run's files; rank 1 its log
     assert sorted(p.name for p in two_dir.iterdir()) == sorted([".lock", BEST, CHECKPOINT, RESULTS, LOG, "rank1.log"])
     assert "epoch 3:" in (two_dir / "rank1.log").read_text()
-    # The models after 3 epochs: equal but for the redundant conv bias (REDUNDANT); with it (and the running mean
-    # that follows it) taken from one process, the 2-rank model scores validation as one process's does.
-    mine, theirs = state(tmp_path / name), state(two_dir)
-    for key, value in mine.items():
-        if value.is_floating_point() and not REDUNDANT.search(key):
-            bound = 1e-4 * max(1.0, value.abs().max()) + 3 * max((n[key] - value).abs().max() for _, n in near)
-            assert (theirs[key] - value).abs().max() <= bound, key
-    val = load_features(prepare_corpus(cfg.data), "val", cfg.data)
-    model = DeepSpeech2(cfg.model, val.num_features, len(LABELS))
-    model.load_state_dict(theirs | {k: v for k, v in mine.items() if REDUNDANT.search(k)})
-    scored = score(model, val, 8, torch.device("cpu"))["loss"]
-    assert close("val_loss", 1e-4, -1, scored), (scored, one["epochs"][-1]["val_loss"])
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_rank_that_drops_or_double_counts_a_share_or_leaves_a_moment_unsynced_is_caught(
+        one_process, smoke_root, tmp_path, fault):
+    """The comparison above can fail: 2 ranks with a fault planted (tests/planted_fault.py) lie outside it."""
+    name, runs = one_process("model.bn=none")
+    run = subprocess.run([*RANKS, str(ROOT / "tests" / "planted_fault.py"), fault, "experiment=smoke",
+                          f"data.root={smoke_root}", "train.epochs=3", "model.bn=none", f"hydra.run.dir={tmp_path}"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    shares = against_bounds(runs, (json.loads((tmp_path / name / RESULTS).read_text()), state(tmp_path / name)))
+    assert max(shares.values()) > 10, farthest(shares)  # outside by a margin that another CPU's rounding cannot hide
+    print(f"{fault}: {sum(share > 1 for share in shares.values())} of {len(shares)} outside, {farthest(shares)}")
 
 
 def test_two_ranks_compute_the_gradient_of_one_process(tmp_path, smoke_root):
@@ -173,20 +202,26 @@ def test_two_ranks_compute_the_gradient_of_one_process(tmp_path, smoke_root):
         left = json.loads((tmp_path / f"grads.pt.rank{rank}.json").read_text())
         assert left == {"freed": True, "threads_during": 2, "threads_after": 0}, (rank, left)
     two = torch.load(tmp_path / "grads.pt")
-    for overrides, one_found, two_found in zip(variants, gradients(variants), two):
-        for batch, one in one_found.items():
-            other = two_found[batch]
-            assert other["loss"] == pytest.approx(one["loss"], rel=1e-6), (overrides, batch)
-            assert other["norm"] == pytest.approx(one["norm"], rel=1e-4), (overrides, batch)
-            for key, grad in one["grads"].items():
-                diff = (other["grads"][key] - grad).abs().max()
-                if REDUNDANT.search(key):  # its gradient is rounding alone
-                    assert diff <= 1e-5 * one["norm"], (overrides, batch, key)
-                else:
-                    assert diff <= 1e-3 * grad.abs().max(), (overrides, batch, key)
-            for key, buffer in one["buffers"].items():
-                assert (other["buffers"][key].double() - buffer.double()).abs().max() <= 1e-5 * max(
-                    1.0, buffer.double().abs().max()), (overrides, batch, key)
+    ones = [gradients(variants)]
+    for order in ORDERS.values():  # the same steps with each batch's utterances summed in another order
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(distributed, "share", order)
+            ones.append(gradients(variants))
+    shares = {}
+    for v, (overrides, two_found) in enumerate(zip(variants, two)):
+        for batch, other in two_found.items():
+            found = [one[v][batch] for one in ones]
+            where = f"{overrides[0]} {batch}"
+            shares[f"{where} loss"] = share_of_bound(other["loss"], [f["loss"] for f in found], abs(found[0]["loss"]))
+            shares[f"{where} norm"] = share_of_bound(other["norm"], [f["norm"] for f in found], found[0]["norm"])
+            for key in found[0]["grads"]:  # a gradient that is 0 in exact arithmetic has no scale but the whole's
+                shares[f"{where} {key}.grad"] = share_of_bound(other["grads"][key], [f["grads"][key] for f in found],
+                                                               found[0]["norm"])
+            for key, buffer in found[0]["buffers"].items():
+                shares[f"{where} {key}"] = share_of_bound(other["buffers"][key], [f["buffers"][key] for f in found],
+                                                          max(1.0, float(buffer.double().abs().max())))
+    assert max(shares.values()) <= 1, {what: share for what, share in shares.items() if share > 1}
+    print(f"one step: the farthest from one process, {farthest(shares)}")
 
 
 def test_submitit_local_with_two_tasks_trains_as_torchrun_does(two_ranks, smoke_root, tmp_path):

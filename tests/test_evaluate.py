@@ -95,6 +95,16 @@ def test_other_sample_rate_is_refused_clearly(run, tmp_path):
         f"(e.g. sox {wav} -r 16000 out.wav)"]
 
 
+def test_non_finite_audio_is_refused_clearly(run, tmp_path):
+    """Its features would be NaN, and its transcript empty."""
+    wav = tmp_path / "nan.wav"
+    sf.write(wav, torch.full((8000,), float("nan")).numpy(), 16000, subtype="FLOAT")
+    done = evaluate("transcribe", str(run[0]), str(wav))
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [
+        f"error: {wav}: non-finite samples (NaN or infinity); replace it with a good copy, or leave it out"]
+
+
 def test_missing_run_and_results_file_instead_of_checkpoint(run, tmp_path):
     done = evaluate("score", str(tmp_path / "nowhere"))
     assert done.returncode == 2 and "nowhere: no such file" in done.stderr

@@ -282,12 +282,28 @@ def test_unknown_variant_on_the_command_line(tmp_path, key, value, allowed):
     (["model.impl=cells", "model.bn=post"], "model.impl=cells with model.bn=post: the cell reference exists for "
                                             "model.bn=seqwise|ln|wn only; use model.impl=fused"),
     (["train.max_skipped_steps=0"], "train.max_skipped_steps=0: must be positive"),
+    # the preset's 64 mel bands; torchaudio's masks wider than the input zero it all, silently
+    (["train.spec_augment.freq_masks=3", "train.spec_augment.freq_width=500"],
+     "train.spec_augment.freq_width=500: 3 masks of up to 500 bins could cover all 64 feature bins, and train on "
+     "zeros; give freq_masks x freq_width at most 64 (Park et al.'s LD policy: 2 masks of up to 27 of 80 bins)"),
 ])
 def test_impossible_value_on_the_command_line(tmp_path, overrides, message):
     run = cli(*overrides, f"hydra.run.dir={tmp_path}", timeout=60)
     assert run.returncode == 2 and "Traceback" not in run.stdout + run.stderr
     assert f"error: {message}\n" in run.stdout + run.stderr
     assert not (tmp_path / RESULTS).exists()
+
+
+def test_time_masks_that_could_cover_a_typical_utterance_are_refused_before_training(tmp_path, smoke_root):
+    """The utterances' lengths are known once the features are: refused then, before the first step."""
+    run = cli("experiment=smoke", f"data.root={smoke_root}", "train.spec_augment.time_masks=5",
+              "train.spec_augment.time_width=100000", f"hydra.run.dir={tmp_path}")
+    assert run.returncode == 2 and "Traceback" not in run.stdout + run.stderr
+    (line,) = [l for l in (run.stdout + run.stderr).splitlines() if "error:" in l]
+    assert re.search(r"error: train.spec_augment.time_width=100000: 5 masks of up to 100000 frames could cover the "
+                     r"median training utterance \(\d+ frames\) whole, and train on zeros; give time_masks x "
+                     r"time_width less than \d+$", line), line
+    assert not list(tmp_path.glob(f"*/{CHECKPOINT}"))
 
 
 # -- training: non-finite steps --------------------------------------------------------------------

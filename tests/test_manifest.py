@@ -15,10 +15,11 @@ from omegaconf import OmegaConf
 
 from batchrnn.config import ConfigError, DataConfig, to_container
 from batchrnn import evaluate
-from batchrnn.data import prepare
+from batchrnn.data import features, manifest, prepare
 from batchrnn.data.base import DataError, corpus_changes
 from batchrnn.data.corpus import prepare_corpus
 from batchrnn.data.features import Featurizer, load_features
+from batchrnn.training.rundir import RESULTS
 from batchrnn.data.manifest import pin_content
 from batchrnn.study.scheduler import jobs
 from batchrnn.training.identity import mismatch, run_name
@@ -131,7 +132,7 @@ def test_another_rate_is_resampled_and_logged_once(tmp_path, caplog):
                                                                              for u in range(3)]),
                    test=write_manifest(tmp_path / "test.jsonl", [entry("3.wav", duration=1.0)]))
     cfg.val = cfg.train.replace("train", "val")
-    write_manifest(Path(cfg.val), [entry("0.wav", duration=1.0, offset=0.5)])
+    write_manifest(Path(cfg.val), [entry("0.wav", duration=0.5, offset=0.5)])
     corpus = prepare_corpus(cfg)
     with caplog.at_level(logging.WARNING):
         fs = {split: load_features(corpus, split, cfg) for split in corpus.splits}
@@ -155,6 +156,86 @@ def test_flac_sphere_and_mp3_read_as_wav(tmp_path):
     assert torch.equal(fs.feats[0], fs.feats[1]) and torch.equal(fs.feats[0], fs.feats[2])  # the same samples
     if "mp3" in formats:
         assert abs(fs.lengths[3] - 101) <= 5  # the decoder's padding
+
+
+def test_features_follow_what_the_audio_files_hold(tmp_path, corpus_dir, recwarn):
+    """A file overwritten at the same path (here of the same size) is featurised again at the next start, and only
+    its split; the cache key, like the run's identity, stays what the manifests hold."""
+    cfg = data_cfg(tmp_path, train=write_manifest(corpus_dir / "train.jsonl", lines(range(4))),
+                   val=write_manifest(corpus_dir / "val.jsonl", lines([4])),
+                   test=write_manifest(corpus_dir / "test.jsonl", lines([5])))
+    corpus = prepare_corpus(cfg)
+    before = {split: load_features(corpus, split, cfg) for split in corpus.splits}
+    cache = features.frames_path(features.cache_path(corpus, "test", cfg))
+    written = cache.stat().st_mtime_ns
+    assert load_features(corpus, "train", cfg).feats[1].equal(before["train"].feats[1])
+    assert not recwarn.list  # unchanged audio: the cache as it was
+    path = corpus_dir / "wav" / "s0" / "1.wav"
+    size = path.stat().st_size
+    write_audio(path, 0.5, seed=7)  # other audio, the same length
+    assert path.stat().st_size == size
+    with pytest.warns(UserWarning, match=rf"1 audio files changed since their features were computed, {path} first; "
+                                         "computing the train features again"):
+        again = load_features(prepare_corpus(cfg), "train", cfg)
+    assert again.feats[1].equal(Featurizer(cfg)(torch.from_numpy(sf.read(path, dtype="float32")[0])))
+    assert not again.feats[1].equal(before["train"].feats[1]) and again.feats[0].equal(before["train"].feats[0])
+    assert load_features(corpus, "test", cfg).feats[0].equal(before["test"].feats[0])
+    assert cache.stat().st_mtime_ns == written  # another split's cache is left alone
+
+
+def test_non_finite_audio_is_refused_naming_the_file(tmp_path, corpus_dir):
+    """NaN features would skip its batch every epoch (every batch, where all files are NaN: a run of no steps)."""
+    bad = corpus_dir / "wav" / "s1" / "0.wav"
+    audio = sf.read(bad, dtype="float32")[0]
+    audio[100] = np.nan
+    sf.write(bad, audio, RATE, subtype="FLOAT")
+    cfg = data_cfg(tmp_path, train=write_manifest(corpus_dir / "train.jsonl", lines(range(4))),
+                   test=write_manifest(corpus_dir / "test.jsonl", lines([5])))
+    corpus = prepare_corpus(cfg)
+    split = next(s for s, utts in corpus.splits.items() if str(bad) in [u.path for u in utts])
+    with pytest.raises(DataError, match=rf"^{bad}: non-finite samples \(NaN or infinity\); replace it with a good "
+                                        r"copy, or delete it to leave that utterance out$"):
+        load_features(corpus, split, cfg)
+    assert not features.cache_path(corpus, split, cfg).exists()
+
+
+@pytest.mark.parametrize("cut", ["duration", "truncated"])
+def test_audio_shorter_than_its_duration_is_refused(tmp_path, corpus_dir, cut):
+    """A header-truncated file, or a line whose duration overstates its file: a part of the audio would train with
+    the whole transcript. Within manifest.SHORT_BY_S a duration passes (rounding, MP3's padding)."""
+    train = lines(range(4))
+    path = corpus_dir / "wav" / "s0" / "1.wav"
+    if cut == "duration":
+        train[1]["duration"] = 500
+    else:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+    train[0]["duration"] = 0.5 + 0.9 * manifest.SHORT_BY_S  # wav/s0/0.wav, 0.5 s, read first
+    cfg = data_cfg(tmp_path, train=write_manifest(corpus_dir / "train.jsonl", train),
+                   val=write_manifest(corpus_dir / "val.jsonl", lines([4])),
+                   test=write_manifest(corpus_dir / "test.jsonl", lines([5])))
+    with pytest.raises(DataError, match=rf"^{path}: 0.\d\d s of audio from offset 0 s, where its manifest line says a "
+                                        rf"duration of {500 if cut == 'duration' else 0.5:g} s; replace a cut-off file "
+                                        "with a whole copy, or correct that line's duration$"):
+        load_features(prepare_corpus(cfg), "train", cfg)
+
+
+@pytest.mark.parametrize("bad", ["nan", "short"])
+def test_bad_audio_stops_a_run_in_one_line(tmp_path, corpus_dir, bad):
+    train = lines(range(4))
+    if bad == "nan":
+        sf.write(corpus_dir / "wav" / "s0" / "1.wav", np.full(8000, np.inf, dtype=np.float32), RATE, subtype="FLOAT")
+    else:
+        train[1]["duration"] = 500
+    run = subprocess.run([sys.executable, str(ROOT / "src" / "run.py"), "experiment=smoke", "data=manifest",
+                          f"data.train={write_manifest(corpus_dir / 'train.jsonl', train)}",
+                          f"data.test={write_manifest(corpus_dir / 'test.jsonl', lines([5]))}",
+                          f"data.root={tmp_path / 'data'}", f"hydra.run.dir={tmp_path / 'run'}"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "Traceback" not in run.stdout + run.stderr
+    (line,) = [l for l in (run.stdout + run.stderr).splitlines() if "error:" in l]
+    assert f"error: {corpus_dir / 'wav' / 's0' / '1.wav'}: " in line
+    assert ("non-finite samples" if bad == "nan" else "where its manifest line says a duration of 500 s") in line
+    assert not list((tmp_path / "run").glob(f"*/{RESULTS}"))
 
 
 # -- bad lines ---------------------------------------------------------------------------------------------

@@ -78,7 +78,7 @@ def test_padding_never_changes_valid_frames(rnn, bn, kw, training):
 @pytest.mark.parametrize("rnn,bn,kw", VARIANTS)
 def test_every_variant_under_bf16_autocast_is_float32_within_bf16s_rounding(rnn, bn, kw):
     """Outputs and gradients (all of them as one vector: a gradient that is 0 in exact arithmetic, such as a bias
-    before BN, has no relative error of its own) within about 10 of bf16's unit roundoffs (2^-8) of float32's; the
+    before BN, has no relative error of its own) within 10 and 20 of bf16's unit roundoffs (2^-8) of float32's; the
     worst variants (ln_full, rbn) measured 2e-2 and 3.6e-2. Where the CPU's fused GRU runs a whole layer in float32
     under autocast (none, post, input, wn: batchrnn.layers.cpu_gru), the two are equal and the check holds trivially."""
     torch.manual_seed(0)
@@ -95,8 +95,9 @@ def test_every_variant_under_bf16_autocast_is_float32_within_bf16s_rounding(rnn,
 
     (y, g), (y32, g32) = run(True), run(False)
     assert torch.isfinite(y).all() and torch.isfinite(g).all()
-    assert (y - y32).norm() / y32.norm() < 4e-2
-    assert (g - g32).norm() / g32.norm() < 8e-2
+    unit = torch.finfo(torch.bfloat16).eps / 2  # bf16's unit roundoff, 2^-8: the bound derives from it, not a CPU
+    assert (y - y32).norm() / y32.norm() < 10 * unit
+    assert (g - g32).norm() / g32.norm() < 20 * unit
 
 
 BF16_ON_AVX2 = """

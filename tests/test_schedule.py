@@ -110,9 +110,21 @@ def test_resume_in_the_middle_of_a_plateau_is_the_uninterrupted_run(make_config,
     assert saved["train_loss_at_best"] == best["train_loss"]
 
 
-def augment(per_utterance=True, seed=1):
-    cfg = SimpleNamespace(freq_masks=2, freq_width=8, time_masks=2, time_width=20, per_utterance=per_utterance)
+def augment(per_utterance=True, seed=1, time_width=20):
+    cfg = SimpleNamespace(freq_masks=2, freq_width=8, time_masks=2, time_width=time_width, per_utterance=per_utterance)
     return SpecAugment(cfg, seed)
+
+
+def test_time_masks_are_refused_where_they_could_cover_a_typical_utterance_and_warned_of_for_the_shortest(caplog):
+    augment().check([41, 50, 60])  # 2 masks of up to 20 frames reach 40: less than every utterance
+    assert not caplog.records
+    augment().check([30, 40, 50, 60, 70])
+    (record,) = caplog.records
+    assert record.getMessage() == ("train.spec_augment: 2 time masks of up to 20 frames could cover the 2 shortest "
+                                   "of 5 training utterances (40 frames or fewer) whole")
+    with pytest.raises(ConfigError, match=r"train.spec_augment.time_width=30: 2 masks of up to 30 frames could cover "
+                                          r"the median training utterance \(60 frames\) whole"):
+        augment(time_width=30).check([30, 40, 60, 61, 70])
 
 
 def batch(*utterances):

@@ -16,7 +16,7 @@ import torch
 from batchrnn.training.checkpoint import CheckpointError, load_model, typed
 from batchrnn.config import AN4_ARCHIVE_ENV, ConfigError, DataConfig, DecodeConfig, Decoder, TrainConfig
 from batchrnn.data.corpus import SAMPLE_RATE, DataError, prepare_corpus, read_audio
-from batchrnn.data.features import Featurizer, load_features
+from batchrnn.data.features import Featurizer, finite, load_features
 from batchrnn.data.manifest import content_sha256, manifests
 from batchrnn.decoding.beam import check
 from batchrnn.storage import write_json
@@ -123,7 +123,7 @@ def transcribe(args) -> None:
         search = BeamSearch(language_model(decoding, cfg, prepare_corpus(cfg)), decoding.beam_size)
         words = lambda e: search([e], tuned["lm_weight"], tuned["word_score"])[0]  # noqa: E731
     for audio_path in args.audio:
-        audio = read_any_audio(audio_path)
+        audio = finite(read_any_audio(audio_path), audio_path, "or leave it out")
         if len(audio) < featurizer.n_fft:  # the spectrogram's first window, centred on sample 0
             raise UsageError(f"{audio_path}: {len(audio)} samples, too short to transcribe; give at least "
                              f"{featurizer.n_fft} ({1000 * featurizer.n_fft // SAMPLE_RATE} ms)")

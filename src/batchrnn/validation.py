@@ -89,8 +89,17 @@ def validate(cfg: Config | DictConfig) -> None:
         for name in ("channels", "kernel_freq", "kernel_time", "stride_freq", "stride_time"):
             if getattr(layer, name) <= 0:
                 raise ConfigError(f"model.conv[{i}].{name}={getattr(layer, name)}: must be positive")
-    from batchrnn.decoding.beam import check as check_decoding  # here: these load torch, and a bad value fails
-    from batchrnn.layers import check_variant  # faster without
+    # here: these load torch, and a bad value fails faster without
+    from batchrnn.data.base import feature_bins
+    from batchrnn.decoding.beam import check as check_decoding
+    from batchrnn.layers import check_variant
 
+    # Each mask is up to freq_width bins wide, so together they can cover up to freq_masks x freq_width bins: where
+    # that is every bin, a batch may train on all-zero inputs (torchaudio's masks wider than the input cover it all).
+    if sa.freq_masks * sa.freq_width > (bins := feature_bins(d)):
+        raise ConfigError(f"train.spec_augment.freq_width={sa.freq_width}: {sa.freq_masks} masks of up to "
+                          f"{sa.freq_width} bins could cover all {bins} feature bins, and train on zeros; give "
+                          f"freq_masks x freq_width at most {bins} (Park et al.'s LD policy: 2 masks of up to 27 of "
+                          "80 bins)")
     check_variant(m)
     check_decoding(cfg.decode)

@@ -14,6 +14,11 @@ from batchrnn.storage import write_json
 SAMPLE_RATE = 16000  # the features' rate: AN4 is 16 kHz, 16-bit, mono; a manifest's other rates are resampled
 
 
+def feature_bins(cfg) -> int:
+    """The features' width F for DataConfig cfg: its mel bands, or the linear spectrogram's n_fft // 2 + 1 bins."""
+    return cfg.n_mels if cfg.n_mels > 0 else int(SAMPLE_RATE * cfg.window_ms / 1000) // 2 + 1
+
+
 class DataError(RuntimeError):
     """A corpus problem the user can fix; the message names the file and the fix."""
 

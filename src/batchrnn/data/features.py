@@ -1,7 +1,8 @@
 """Spectrograms as deepspeech.pytorch computes them, cached once per split, and length-bucketed batches.
 
 Each (corpus, split, feature settings) is computed once into one float32 file of (frames, F), written utterance by
-utterance, beside a JSON index of its utterances; runs memory-map it, so a corpus need not fit in memory.
+utterance, beside a JSON index of its utterances and their audio files' sizes and modification times; runs
+memory-map it, so a corpus need not fit in memory, and compute it again where an audio file has changed since.
 """
 import hashlib
 import json
@@ -18,13 +19,13 @@ import torch
 import torchaudio
 
 from batchrnn.config import DataConfig
-from batchrnn.data.base import SAMPLE_RATE, Corpus
+from batchrnn.data.base import SAMPLE_RATE, Corpus, DataError, Utterance, feature_bins
 from batchrnn.errors import one_line
 from batchrnn.storage import atomic_write
 from batchrnn.data.text import encode
 from batchrnn.progress import progress_bar
 
-CACHE_VERSION = 2  # bump when the featurizer or the cache's format changes, so old caches are not reused
+CACHE_VERSION = 3  # bump when the featurizer or the cache's format changes, so old caches are not reused
 
 
 class Featurizer:
@@ -39,10 +40,7 @@ class Featurizer:
         self.mel = None  # mel bands shrink the conv front end's work; 0 keeps all 161 linear bins
         if cfg.n_mels > 0:
             self.mel = torchaudio.transforms.MelScale(cfg.n_mels, SAMPLE_RATE, n_stft=self.n_fft // 2 + 1)
-
-    @property
-    def num_features(self) -> int:
-        return self.mel.n_mels if self.mel is not None else self.n_fft // 2 + 1
+        self.num_features = feature_bins(cfg)
 
     @torch.no_grad()
     def __call__(self, audio: torch.Tensor) -> torch.Tensor:
@@ -103,16 +101,41 @@ def frames_path(index: Path) -> Path:
     return index.with_suffix(".f32")
 
 
-def map_features(index: Path, ids: list[str]) -> tuple[MappedFeatures, int]:
+class StaleFeatures(ValueError):
+    """An audio file changed after its features were cached."""
+
+
+def stamp(path: str) -> list[int] | None:
+    """What says cheaply that an audio file changed: its size and modification time (None: it cannot be looked up)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_size, st.st_mtime_ns]
+
+
+def finite(samples: torch.Tensor, path, fix: str = "or delete it to leave that utterance out") -> torch.Tensor:
+    """samples, or DataError where one is NaN or infinite: its features would be NaN, its batch skipped every epoch
+    (all of them: a run of no steps), its hypothesis empty."""
+    if not torch.isfinite(samples).all():
+        raise DataError(f"{path}: non-finite samples (NaN or infinity); replace it with a good copy, {fix}")
+    return samples
+
+
+def map_features(index: Path, utts: list[Utterance]) -> tuple[MappedFeatures, int]:
     """The cached features of these utterances, memory-mapped, and their width; ValueError where the cache is not
-    theirs or not whole."""
+    theirs or not whole, StaleFeatures where an audio file's size or modification time changed since."""
     meta = json.loads(index.read_text())
     if meta["version"] != CACHE_VERSION:
         raise ValueError(f"cache version {meta['version']}, expected {CACHE_VERSION}")
-    if meta["ids"] != ids:
+    if meta["ids"] != [u.id for u in utts]:
         raise ValueError("utterance ids differ from the split")
+    changed = list(dict.fromkeys(u.path for u, then in zip(utts, meta["audio"], strict=True) if stamp(u.path) != then))
+    if changed:
+        raise StaleFeatures(f"{len(changed)} audio files changed since their features were computed, "
+                            f"{changed[0]} first")
     lengths, width = meta["lengths"], meta["num_features"]
-    if len(lengths) != len(ids) or min(lengths, default=1) < 1:
+    if len(lengths) != len(utts) or min(lengths, default=1) < 1:
         raise ValueError("lengths do not match the utterances")
     numel, data = sum(lengths) * width, frames_path(index)
     if os.path.getsize(data) != 4 * numel:
@@ -125,19 +148,20 @@ def map_features(index: Path, ids: list[str]) -> tuple[MappedFeatures, int]:
 def write_features(index: Path, corpus: Corpus, split: str, featurizer: Featurizer) -> None:
     """Features of every utterance of the split appended one by one to <split>.f32 (never a whole split in
     memory), then the index; each file is replaced whole (storage.atomic_write), the index last."""
-    utts, lengths = corpus.splits[split], []
+    utts, lengths, audio = corpus.splits[split], [], []
 
     def append(tmp: Path) -> None:
         with open(tmp, "wb") as f:
             for u in progress_bar(utts, desc=f"features {corpus.name}/{split}"):
-                spec = featurizer(corpus.read(u))  # (T, F) float32, C-contiguous
+                audio.append(stamp(u.path))  # before the read: a change during it shows at the next start
+                spec = featurizer(finite(corpus.read(u), u.path))  # (T, F) float32, C-contiguous
                 f.write(spec.numpy().tobytes())
                 lengths.append(spec.shape[0])
 
     index.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(frames_path(index), append)
     meta = {"version": CACHE_VERSION, "num_features": featurizer.num_features, "ids": [u.id for u in utts],
-            "lengths": lengths}
+            "lengths": lengths, "audio": audio}
     atomic_write(index, lambda tmp: tmp.write_text(json.dumps(meta)))
 
 
@@ -148,12 +172,14 @@ def load_features(corpus: Corpus, split: str, cfg: DataConfig) -> FeatureSet:
     index, feats = cache_path(corpus, split, cfg), None
     if index.is_file():
         try:
-            feats, width = map_features(index, ids)
+            feats, width = map_features(index, utts)
+        except StaleFeatures as e:  # the audio decides, not the features once computed from it
+            warnings.warn(f"{index}: {e}; computing the {split} features again")
         except Exception as e:  # a torn or foreign file costs a recompute, never the run
             warnings.warn(f"{index}: unreadable feature cache ({one_line(e)}); computing it again")
     if feats is None:
         write_features(index, corpus, split, Featurizer(cfg))
-        feats, width = map_features(index, ids)
+        feats, width = map_features(index, utts)
     return FeatureSet(ids, feats, texts, width)
 
 

@@ -30,6 +30,10 @@ NUMBER = (int, float)
 FIELDS = {"audio_filepath": (str, True), "duration": (NUMBER, True), "text": (str, True), "offset": (NUMBER, False),
           "speaker": ((str, int), False)}
 EXAMPLE = '{"audio_filepath": "a.wav", "duration": 1.5, "text": "yes"}'
+# How much less audio than its "duration" a line may hold: durations rounded to 10 ms, and MP3's decoder delay and
+# padding (tens of ms). A file shorter by more is cut off, or its line wrong: training on it would pair a part of
+# the audio with the whole transcript.
+SHORT_BY_S = 0.1
 
 
 def manifests(cfg: DataConfig) -> dict[str, Path]:
@@ -153,6 +157,10 @@ class ManifestAudio:
         if start >= total or not len(audio):
             raise DataError(f"{u.path}: no samples at offset {u.offset:g} s (the file holds {total / rate:.2f} s); "
                             "correct its manifest line")
+        if u.duration and len(audio) < (u.duration - SHORT_BY_S) * rate:
+            raise DataError(f"{u.path}: {len(audio) / rate:.2f} s of audio from offset {u.offset:g} s, where its "
+                            f"manifest line says a duration of {u.duration:g} s; replace a cut-off file with a whole "
+                            "copy, or correct that line's duration")
         samples = torch.from_numpy(audio.mean(axis=1))  # (samples,), channels averaged as AN4's reader does
         if rate != SAMPLE_RATE:
             if rate not in self.rates_logged:

@@ -1,9 +1,14 @@
 """SpecAugment (Park et al. 2019): frequency and time masks on a training batch's features, set to 0 (the mean of
 the per-utterance normalised features)."""
+import logging
 import zlib
 
 import torch
 import torchaudio
+
+from batchrnn.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 class SpecAugment:
@@ -21,6 +26,25 @@ class SpecAugment:
     @property
     def active(self) -> bool:
         return self.cfg.enabled and self.cfg.freq_masks + self.cfg.time_masks > 0
+
+    def check(self, lengths: list[int]) -> None:
+        """Time masks against the training utterances' lengths (frames), which the configuration cannot know. Their
+        masks together reach up to time_masks x time_width frames: refused where that is a typical (the median)
+        utterance's length, so that no setting trains much of the corpus on zeros; a warning where it is only the
+        shortest's. Capping each mask at a share of its utterance instead would change what existing settings train."""
+        c = self.cfg
+        reach, ordered = c.time_masks * c.time_width, sorted(lengths)
+        if not reach or not ordered:
+            return
+        median = ordered[len(ordered) // 2]
+        if reach >= median:
+            raise ConfigError(f"train.spec_augment.time_width={c.time_width}: {c.time_masks} masks of up to "
+                              f"{c.time_width} frames could cover the median training utterance ({median} frames) "
+                              f"whole, and train on zeros; give time_masks x time_width less than {median}")
+        if short := sum(n <= reach for n in ordered):
+            log.warning("train.spec_augment: %d time masks of up to %d frames could cover the %d shortest of %d "
+                        "training utterances (%d frames or fewer) whole", c.time_masks, c.time_width, short,
+                        len(ordered), reach)
 
     def __call__(self, x: torch.Tensor, x_lens: torch.Tensor, ids: list[str], epoch: int) -> torch.Tensor:
         """x (N, F, T) padded features, x_lens (N,), ids the utterances' ids -> x masked (a new tensor)."""

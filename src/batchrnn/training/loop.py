@@ -123,6 +123,7 @@ class Run:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
         self.ctc = torch.nn.CTCLoss(blank=0, zero_infinity=True)
         augment = SpecAugment(t.spec_augment, cfg.seed)
+        augment.check(self.sets["train"].lengths)
         self.augment = augment if augment.active else None
 
         feasible = ctc_feasible(self.model, self.sets["train"])

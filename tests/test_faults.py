@@ -31,7 +31,7 @@ from batchrnn.tracking import tracker as tracking
 from batchrnn.config import DataConfig, to_container
 from batchrnn.data.corpus import DataError, extract_archive, prepare_corpus
 from batchrnn.training.rundir import BEST, CHECKPOINT, RESULTS, RunError
-from batchrnn.study.sweep import STOP_FILE
+from batchrnn.study.sweep import FAILED_DIR, STOP_FILE
 from batchrnn.training.identity import run_name
 from batchrnn.training import distributed, loop, stopping
 from batchrnn.training.loop import TrainingDiverged, train
@@ -341,6 +341,51 @@ def test_sweep_goes_on_past_a_diverged_run_and_a_restart_skips_the_finished_one(
     assert again.returncode == 3 and "is finished; train.rerun=true runs it again" in (good / "run.log").read_text()
     assert (good / CHECKPOINT).stat().st_mtime_ns == mtime  # not trained again
     assert len(json.loads((bad / RESULTS).read_text())["epochs"]) == 1  # resumed, diverged again, kept epoch 1
+
+
+def test_two_sweeps_in_one_folder_each_exit_by_their_own_jobs(tmp_path, smoke_root):
+    """The record of a sweep's failed jobs was the folder's: a second sweep there deleted the first's (which then
+    exited 0), or read it (and exited 2 though its own jobs had finished). One sweep is held (SIGSTOP) while the
+    other runs from start to end, as two sweeps started together interleave."""
+    common = ["-m", "experiment=smoke", f"data.root={smoke_root}", f"hydra.sweep.dir={tmp_path}"]
+    damaged = tmp_path / run_name(to_container(config(f"data.root={smoke_root}", "model.rnn=lstm")))
+    damaged.mkdir(parents=True)
+    (damaged / CHECKPOINT).write_bytes(b"not a checkpoint")  # its job stops at once: exit 2
+
+    def held(until, *overrides) -> subprocess.Popen:
+        """A sweep, stopped once until() holds."""
+        proc = subprocess.Popen([*RUN, *common, *overrides], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True)
+        deadline = time.monotonic() + 120
+        while not until():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGSTOP)
+        return proc
+
+    def resumed(proc: subprocess.Popen) -> int:
+        proc.send_signal(signal.SIGCONT)
+        _, err = proc.communicate(timeout=120)
+        return proc.returncode, err[-2000:]
+
+    # the first sweep's failed job is on record when the second starts and ends
+    first = held(lambda: [p for p in (tmp_path / FAILED_DIR).rglob("*") if p.is_file()], "model.rnn=lstm,gru")
+    try:
+        second = cli(*common, "model.rnn=rnn")
+    finally:
+        code, err = resumed(first)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert code == 2 and "error: 1 runs of this sweep stopped early" in err, err
+    # a sweep whose jobs all finish, while another fails a job and ends
+    clean = tmp_path / run_name(to_container(config(f"data.root={smoke_root}", "model.rnn=rnn", "seed=1")))
+    third = held(clean.exists, "model.rnn=rnn", "seed=1")
+    try:
+        fourth = cli(*common, "model.rnn=lstm")
+    finally:
+        code, err = resumed(third)
+    assert fourth.returncode == 2, fourth.stderr[-2000:]
+    assert code == 0, err
+    assert not (tmp_path / FAILED_DIR).exists()  # each sweep took its records away
 
 
 def test_data_error_stops_a_sweep_with_one_line(tmp_path):

@@ -35,6 +35,8 @@ from batchrnn.study.sweep import FAILED_DIR, STOP_FILE
 from batchrnn.training.identity import run_name
 from batchrnn.training import distributed, loop, stopping
 from batchrnn.training.loop import TrainingDiverged, train
+from batchrnn.training.checkpoint import load_model
+from batchrnn import evaluate
 from conftest import ROOT
 from wandb_offline import read_offline_run
 
@@ -576,11 +578,91 @@ def test_damaged_checkpoint_names_the_file_and_the_fix(smoke, tmp_path):
     checkpoint = tmp_path / CHECKPOINT
     whole = checkpoint.read_bytes()
     checkpoint.write_bytes(whole[: len(whole) // 2])
-    with pytest.raises(RunError, match=rf"{re.escape(str(checkpoint))}: unreadable .*; delete checkpoint.pt"):
+    with pytest.raises(RunError, match=rf"{re.escape(str(checkpoint))}: unreadable .*; train.rerun=true to train "
+                                       "this run afresh"):
         train(smoke("train.epochs=1"), tmp_path)
     checkpoint.write_bytes(whole)  # whole again, but of another model
-    with pytest.raises(RunError, match="does not fit this model .*train.rerun=true"):
+    with pytest.raises(RunError, match=r"the checkpoint of another run \(other model.hidden_size\).*train.rerun=true"):
         train(smoke("train.epochs=1", "model.hidden_size=16"), tmp_path)
+
+
+def stopped_after(monkeypatch, epochs: int) -> None:
+    """The next train() stops (KeyboardInterrupt) as epoch `epochs` + 1 begins, its files as after `epochs`."""
+    whole = loop.train_epoch
+
+    def train_epoch(run, progress, tracker):
+        if progress.epoch == epochs + 1:
+            raise KeyboardInterrupt
+        return whole(run, progress, tracker)
+
+    monkeypatch.setattr(loop, "train_epoch", train_epoch)
+
+
+def test_damaged_best_of_a_stopped_run_is_written_again_before_any_epoch_trains(smoke, tmp_path, monkeypatch,
+                                                                                caplog, uninterrupted):
+    """best.pt was read only once training ended: a garbled one cost the epochs after the stop, then every later
+    run failed at once. checkpoint.pt holds the best epoch's weights, so best.pt is written again at resume."""
+    assert uninterrupted["best_epoch"] < 3  # so the checkpoint at 3 holds other weights than the best
+    with monkeypatch.context() as patch:
+        stopped_after(patch, 3)
+        with pytest.raises(KeyboardInterrupt):
+            train(smoke("train.epochs=6"), tmp_path)
+    (tmp_path / BEST).write_bytes(b"garbled")
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        results = train(smoke("train.epochs=6"), tmp_path)
+    lines = [r.getMessage() for r in caplog.records]
+    (warned,) = [i for i, line in enumerate(lines) if line.startswith(f"{tmp_path / BEST}: ")]
+    assert re.match(rf"{re.escape(str(tmp_path / BEST))}: not a readable model file .*; written again from "
+                    rf"{CHECKPOINT} \(epoch {uninterrupted['best_epoch']}, the best\)", lines[warned])
+    assert warned < min(i for i, line in enumerate(lines) if line.startswith("epoch 4:"))  # before any epoch
+    assert [e["epoch"] for e in results["epochs"]] == [1, 2, 3, 4, 5, 6]
+    assert results["test_wer"] == uninterrupted["test_wer"] and results["best_epoch"] == uninterrupted["best_epoch"]
+    assert load_model(tmp_path / BEST)[1]["epoch"] == uninterrupted["best_epoch"]
+
+
+@pytest.mark.parametrize("damage", ["missing", "garbled"])
+def test_finished_run_without_a_usable_best_stays_finished_and_evaluate_refuses_it(smoke, tmp_path, caplog, capsys,
+                                                                                   damage):
+    first = train(smoke(), tmp_path)
+    mtime = (tmp_path / CHECKPOINT).stat().st_mtime_ns
+    (tmp_path / BEST).unlink() if damage == "missing" else (tmp_path / BEST).write_bytes(b"garbled")
+    caplog.clear()
+    again = train(smoke(), tmp_path)
+    assert again["status"] == "finished" and again["epochs"] == first["epochs"]
+    assert (tmp_path / CHECKPOINT).stat().st_mtime_ns == mtime  # not trained again
+    assert re.search(rf"{re.escape(str(tmp_path / BEST))}: .*; the run stays finished, but evaluate cannot use it: "
+                     r"train.rerun=true trains it again", caplog.text)
+    with pytest.raises(SystemExit) as stop:
+        evaluate.main(["score", str(tmp_path), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("error:") == 1 and f"error: {tmp_path / BEST}: " in err
+
+
+def test_a_checkpoint_copied_from_another_run_is_refused(smoke, tmp_path):
+    """docs/runs.md: a checkpoint of other settings is refused; one of the same model's shape (another rate and
+    seed) was resumed, its epochs then filed under this run's settings."""
+    train(smoke("train.epochs=1", "train.lr=1e-2", "seed=7"), tmp_path / "other")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / CHECKPOINT).write_bytes((tmp_path / "other" / CHECKPOINT).read_bytes())
+    with pytest.raises(RunError, match=r"checkpoint.pt: the checkpoint of another run \(other seed, train.lr\); put "
+                                       r"it back in its own run's folder, or train.rerun=true"):
+        train(smoke("train.epochs=1"), tmp_path / "run")
+    assert not (tmp_path / "run" / RESULTS).exists()
+
+
+def test_a_deleted_checkpoint_of_a_run_with_epochs_on_record_is_refused(smoke, tmp_path, monkeypatch):
+    """It restarted the run from scratch without a word, and results.json's epochs were replaced."""
+    with monkeypatch.context() as patch:
+        stopped_after(patch, 1)
+        with pytest.raises(KeyboardInterrupt):
+            train(smoke("train.epochs=3"), tmp_path)
+    (tmp_path / CHECKPOINT).unlink()
+    with pytest.raises(RunError, match=rf"{CHECKPOINT}: missing, though {RESULTS} records 1 complete epoch; put it "
+                                       "back to resume, or train.rerun=true"):
+        train(smoke("train.epochs=3"), tmp_path)
+    assert len(json.loads((tmp_path / RESULTS).read_text())["epochs"]) == 1  # kept
+    assert train(smoke("train.epochs=3", "train.rerun=true"), tmp_path)["status"] == "finished"
 
 
 def test_damaged_results_of_a_finished_run_are_rebuilt_without_training(smoke, tmp_path, caplog):

@@ -22,6 +22,18 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def atomic_save(path: Path, obj) -> None:
+    """torch.save(obj) through atomic_write, into a Python file: on a full disk torch's own file writer raises an
+    opaque RuntimeError ("unexpected pos"), a Python file the OSError (ENOSPC) that says what is wrong."""
+    import torch  # here: storage is imported where torch need not load yet
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+
+    atomic_write(path, write)
+
+
 def fsync(path: Path) -> None:
     """Flush a file's or a folder's contents to the disk."""
     fd = os.open(path, os.O_RDONLY)

@@ -3,6 +3,7 @@ HTTP server that drops connections, an unreachable W&B server and one that goes 
 refusal names the file and the fix; every handled case is counted in results.json and the log; nothing
 finished is lost.
 """
+import errno
 import http.server
 import io
 import json
@@ -10,6 +11,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
@@ -30,7 +32,10 @@ from batchrnn.data import features
 from batchrnn.tracking import tracker as tracking
 from batchrnn.config import DataConfig, to_container
 from batchrnn.data.corpus import DataError, extract_archive, prepare_corpus
-from batchrnn.training.rundir import BEST, CHECKPOINT, RESULTS, RunError
+from batchrnn import storage
+from batchrnn.data import prepare as preparation
+from batchrnn.training import rundir
+from batchrnn.training.rundir import BEST, CHECKPOINT, LOCK, RESULTS, RunError, RunFolder
 from batchrnn.study.sweep import FAILED_DIR, STOP_FILE
 from batchrnn.training.identity import run_name
 from batchrnn.training import distributed, loop, stopping
@@ -584,6 +589,112 @@ def test_damaged_checkpoint_names_the_file_and_the_fix(smoke, tmp_path):
     checkpoint.write_bytes(whole)  # whole again, but of another model
     with pytest.raises(RunError, match=r"the checkpoint of another run \(other model.hidden_size\).*train.rerun=true"):
         train(smoke("train.epochs=1", "model.hidden_size=16"), tmp_path)
+
+
+def test_a_run_folder_that_cannot_be_written_names_it_and_the_fix(smoke, tmp_path, monkeypatch):
+    """A read-only run folder (as a user who is not root meets it): the lock's file cannot be opened."""
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+
+    monkeypatch.setattr(rundir, "open", refuse, raising=False)  # the lock's open, rundir's only one
+    with pytest.raises(RunError, match=rf"{re.escape(str(tmp_path / LOCK))}: Permission denied; make the folder "
+                                       "writable, or choose another"):
+        train(smoke(), tmp_path)
+
+
+def full_disk(path: Path) -> None:
+    """The next atomic write of path, by this process, fails as on a full disk: its temporary file is /dev/full."""
+    (path.parent / f".{path.name}.{os.getpid()}.tmp").symlink_to("/dev/full")
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, whose writes fail with ENOSPC")
+def test_a_full_disk_at_a_checkpoint_names_the_file_and_the_run_resumes(smoke, tmp_path, monkeypatch, uninterrupted):
+    """torch.save's own file writer said only "unexpected pos 704 vs 598", in a traceback."""
+    whole = RunFolder.save_checkpoint
+
+    def save_checkpoint(self, model, opt, progress, *args):
+        if progress["epoch"] == 2:
+            full_disk(self.file(CHECKPOINT))
+        return whole(self, model, opt, progress, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(RunFolder, "save_checkpoint", save_checkpoint)
+        with pytest.raises(RunError, match=rf"{re.escape(str(tmp_path / CHECKPOINT))}: No space left on device; free "
+                                           "space on that disk; then run the same command again"):
+            train(smoke("train.epochs=6"), tmp_path)
+    assert torch.load(tmp_path / CHECKPOINT, weights_only=False)["progress"]["epoch"] == 1  # whole, as it was
+    assert not list(tmp_path.glob(".*.tmp"))
+    results = train(smoke("train.epochs=6"), tmp_path)
+    assert [e["epoch"] for e in results["epochs"]] == [1, 2, 3, 4, 5, 6]
+    assert results["test_wer"] == uninterrupted["test_wer"]
+
+
+def test_a_full_disk_while_preparing_the_corpus_is_one_error_line(tmp_path, monkeypatch, capsys, archive):
+    """As `python -m batchrnn.data` and as a run prepare it: writing the corpus's marker (its fsync, where a full
+    disk shows on many filesystems), then extracting the archive (which was called corrupt)."""
+    def fsync(path):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as os.fsync raises it: no file named
+
+    with monkeypatch.context() as patch:
+        patch.setattr(storage, "fsync", fsync)
+        with pytest.raises(SystemExit) as stop:
+            preparation.main(["--preset", "smoke", "--root", str(tmp_path / "cli")])
+        (error,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+        assert stop.value.code == 2
+        assert error == f"error: {tmp_path / 'cli'}/synthetic/an4/{data.MARKER}: No space left on device; free " \
+                        "space on that disk, or set data.root to another folder; then run the same command again"
+        with pytest.raises(DataError, match="No space left on device; free space on that disk, or set data.root"):
+            train(config(f"data.root={tmp_path / 'run'}"), tmp_path / "run")
+
+    def makefile(self, tarinfo, targetpath):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(tarfile.TarFile, "makefile", makefile)
+    with pytest.raises(DataError, match=r"No space left on device; free space on that disk, or set data.root") as e:
+        prepare(archive, tmp_path / "extract")
+    assert "corrupt" not in str(e.value)
+
+
+@pytest.mark.parametrize("key", ["hydra.run.dir", "hydra.sweep.dir"])
+def test_a_study_folder_that_names_a_file_is_one_error_line(tmp_path, key):
+    (tmp_path / "file").write_text("")
+    run = cli(*["-m"] * (key == "hydra.sweep.dir"), "experiment=smoke", f"{key}={tmp_path / 'file'}", timeout=60)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert run.stderr == f"error: {key}={tmp_path / 'file'}: names a file, not a folder; give a folder that can be " \
+                         "written\n"
+
+
+def test_evaluate_says_a_run_is_unfinished_and_that_a_folder_is_not_audio(smoke, tmp_path, monkeypatch, capsys):
+    with monkeypatch.context() as patch:
+        stopped_after(patch, 1)
+        with pytest.raises(KeyboardInterrupt):
+            train(smoke("train.epochs=3"), tmp_path)
+    capsys.readouterr()
+    evaluate.main(["score", str(tmp_path), "--device", "cpu"])
+    assert f"warning: {tmp_path}: unfinished (status running, 1 epoch in {RESULTS}); these are the scores of its " \
+           "best epoch so far (1)\n" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        evaluate.main(["transcribe", str(tmp_path), str(tmp_path), "--device", "cpu"])
+    (error,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert stop.value.code == 2
+    assert error == f"error: {tmp_path}: a folder, not an audio file; give the files in it (e.g. {tmp_path}/*.wav)"
+
+
+def test_sigterm_ends_python_m_batchrnn_data_with_one_line(tmp_path):
+    """It ended with 143 and said nothing. A download that never answers holds it inside its preparation."""
+    env = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "all_proxy")}
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.settimeout(120)
+        url = f"http://127.0.0.1:{server.getsockname()[1]}/an4_sphere.tar.gz"
+        proc = subprocess.Popen([sys.executable, "-m", "batchrnn.data", "--preset", "smoke", "--corpus", "an4",
+                                 "--archive", url, "--root", str(tmp_path)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env | {"PYTHONPATH": str(ROOT / "src")})
+        connection, _ = server.accept()  # it is downloading
+        with connection:
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-2000:]
+    assert err == f"stopped by SIGTERM; run the same command again to {preparation.AGAIN}\n"
 
 
 def stopped_after(monkeypatch, epochs: int) -> None:

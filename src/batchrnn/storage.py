@@ -18,6 +18,10 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         fsync(tmp)
         os.replace(tmp, path)
         fsync(path.parent)
+    except OSError as e:
+        if e.filename is None and e.errno is not None:  # a write's or fsync's, which name no file: this one
+            raise type(e)(e.errno, e.strerror, str(path)) from e
+        raise
     finally:
         tmp.unlink(missing_ok=True)
 

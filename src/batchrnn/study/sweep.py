@@ -74,6 +74,26 @@ def record_stop(message: str) -> None:
         Path(os.environ[STOP_FILE]).write_text(message + "\n")
 
 
+class StudyFolder(Callback):
+    """hydra.run.dir or hydra.sweep.dir made before Hydra makes it: one that names a file, or lies where this
+    process may not write, ends in one error line and exit status 2, not in a traceback from Hydra."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        make_folder(config.hydra.run.dir, "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        make_folder(config.hydra.sweep.dir, "hydra.sweep.dir")
+
+
+def make_folder(path: str, key: str) -> None:
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        what = "names a file, not a folder" if Path(path).exists() else f"cannot be made ({e.strerror})"
+        print(f"error: {key}={path}: {what}; give a folder that can be written", file=sys.stderr)
+        sys.exit(2)
+
+
 class SweepStatus(Callback):
     """Exit status of a sweep: that of its worst failed job (errors.worst: 2, a damaged folder or a protocol
     stage that cannot run, says more than 3, diverged), else 0."""

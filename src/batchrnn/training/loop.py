@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from batchrnn.config import ConfigError, Schedule, to_container
 from batchrnn.validation import validate
 from batchrnn.data.base import corpus_changes
-from batchrnn.data.corpus import prepare_corpus
+from batchrnn.data.corpus import prepare_corpus, unwritable
 from batchrnn.training.device import machine, peak_memory_mb, pick_device, reset_peak_memory, synchronize, uses_bf16
 from batchrnn.data.features import FeatureSet, collate, load_features, make_batches
 from batchrnn.metrics import error_rates
@@ -109,9 +109,14 @@ class Run:
         self.bf16 = uses_bf16(t, self.device)
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-        with distributed.one_at_a_time(cfg.data.root):  # ranks, a parallel sweep: the first prepares, the others read
-            corpus = prepare_corpus(cfg.data)
-            self.sets = {s: load_features(corpus, s, cfg.data) for s in ("train", "val", "test")}
+        try:
+            with distributed.one_at_a_time(cfg.data.root):  # ranks, a parallel sweep: the first prepares, the others read
+                corpus = prepare_corpus(cfg.data)
+                self.sets = {s: load_features(corpus, s, cfg.data) for s in ("train", "val", "test")}
+        except OSError as e:  # a full disk, a read-only data.root
+            if (full := unwritable(e)) is None:
+                raise
+            raise full from e
         self.corpus_summary = corpus.summary
         for line in corpus_changes(corpus.summary):  # the same counts are in results.json under "corpus"
             log.warning("%s", line)

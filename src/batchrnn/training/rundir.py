@@ -282,14 +282,38 @@ class RunFolder:
             handler.close()
 
 
+# results.json's figures that the report and the protocol compute with: each a number, or null before the run ends
+FIGURES = ("test_wer", "test_cer", "test_loss", "best_val_wer", "best_epoch", "train_loss_at_best", "lr_at_stop",
+           "epoch_time_s", "peak_mem_mb")
+
+
+def figure_fault(result: dict) -> str | None:
+    """What makes a results file's figures (FIGURES, and every epoch's row) unusable, or None."""
+    def number(v) -> bool:
+        return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+    if bad := next((k for k in FIGURES if not number(result.get(k))), None):
+        return f"{bad} is {result[bad]!r}, not a number"
+    epochs = result.get("epochs") or []
+    if not isinstance(epochs, list) or not all(isinstance(row, dict) for row in epochs):
+        return "epochs is not a list of rows"
+    for i, row in enumerate(epochs, 1):
+        if bad := next((k for k, v in row.items() if not number(v)), None):
+            return f"epoch {i}'s {bad} is {row[bad]!r}, not a number"
+    return None
+
+
 def read_study(study_dir: Path) -> tuple[list[dict], list[Path]]:
-    """Every results.json under study_dir (each dict gets "path", its run folder), and the unreadable ones."""
+    """Every results.json under study_dir (each dict gets "path", its run folder), and the unreadable ones (a
+    figure that is not a number among them)."""
     results, unreadable = [], []
     for path in sorted(Path(study_dir).rglob(RESULTS)):
         try:
             result = json.loads(path.read_text())
             if not isinstance(result, dict) or not isinstance(result.get("config"), dict):
                 raise ValueError("not a results file with a config")
+            if fault := figure_fault(result):
+                raise ValueError(fault)
         except (OSError, ValueError) as e:  # JSONDecodeError is a ValueError
             unreadable.append(path)
             log.warning("skipping %s: %s; rerun that run or delete the file", path, one_line(e))

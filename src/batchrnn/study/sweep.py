@@ -102,7 +102,7 @@ class SweepStatus(Callback):
         self.sweep = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}"
         # Each job is composed again from these overrides (in the process that runs it), so the id reaches it
         with flag_override(config, ["readonly", "struct"], [False, False]):
-            config.hydra.overrides.hydra.append(f"++hydra.job.env_set.{SWEEP_ID}={self.sweep}")
+            config.hydra.overrides.hydra.append(f"++hydra.job.env_set.{SWEEP_ID}='{self.sweep}'")  # quoted: a string
         records = Path(config.hydra.sweep.dir) / FAILED_DIR
         for record in records.iterdir() if records.is_dir() else []:
             if record.is_file():  # an older version's record, of a sweep long gone

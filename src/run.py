@@ -89,7 +89,8 @@ def run(cfg: DictConfig) -> float:
         for key, value in chosen.items():
             OmegaConf.update(cfg, key, value)
         folder = RunFolder(study_dir / run_name(to_container(cfg)))
-    except ProtocolError as e:  # this variant's tuning is missing or all diverged: a sweep goes on with the others
+    # this variant's tuning is missing or all diverged, or its folder cannot be made: a sweep goes on with the others
+    except (ProtocolError, RunError) as e:
         log.error("error: %s", e)
         if hydra_cfg.mode is not RunMode.MULTIRUN:
             sys.exit(2)

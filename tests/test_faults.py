@@ -3,6 +3,7 @@ HTTP server that drops connections, an unreachable W&B server and one that goes 
 refusal names the file and the fix; every handled case is counted in results.json and the log; nothing
 finished is lost.
 """
+import errno
 import http.server
 import io
 import json
@@ -10,6 +11,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
@@ -30,11 +32,16 @@ from batchrnn.data import features
 from batchrnn.tracking import tracker as tracking
 from batchrnn.config import DataConfig, to_container
 from batchrnn.data.corpus import DataError, extract_archive, prepare_corpus
-from batchrnn.training.rundir import BEST, CHECKPOINT, RESULTS, RunError
-from batchrnn.study.sweep import STOP_FILE
+from batchrnn import storage
+from batchrnn.data import prepare as preparation
+from batchrnn.training import rundir
+from batchrnn.training.rundir import BEST, CHECKPOINT, LOCK, RESULTS, RunError, RunFolder
+from batchrnn.study.sweep import FAILED_DIR, STOP_FILE
 from batchrnn.training.identity import run_name
 from batchrnn.training import distributed, loop, stopping
 from batchrnn.training.loop import TrainingDiverged, train
+from batchrnn.training.checkpoint import load_model
+from batchrnn import evaluate
 from conftest import BN_MODES, ROOT
 from wandb_offline import read_offline_run
 
@@ -358,6 +365,51 @@ def test_sweep_goes_on_past_a_diverged_run_and_a_restart_skips_the_finished_one(
     assert len(json.loads((bad / RESULTS).read_text())["epochs"]) == 1  # resumed, diverged again, kept epoch 1
 
 
+def test_two_sweeps_in_one_folder_each_exit_by_their_own_jobs(tmp_path, smoke_root):
+    """The record of a sweep's failed jobs was the folder's: a second sweep there deleted the first's (which then
+    exited 0), or read it (and exited 2 though its own jobs had finished). One sweep is held (SIGSTOP) while the
+    other runs from start to end, as two sweeps started together interleave."""
+    common = ["-m", "experiment=smoke", f"data.root={smoke_root}", f"hydra.sweep.dir={tmp_path}"]
+    damaged = tmp_path / run_name(to_container(config(f"data.root={smoke_root}", "model.rnn=lstm")))
+    damaged.mkdir(parents=True)
+    (damaged / CHECKPOINT).write_bytes(b"not a checkpoint")  # its job stops at once: exit 2
+
+    def held(until, *overrides) -> subprocess.Popen:
+        """A sweep, stopped once until() holds."""
+        proc = subprocess.Popen([*RUN, *common, *overrides], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True)
+        deadline = time.monotonic() + 120
+        while not until():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGSTOP)
+        return proc
+
+    def resumed(proc: subprocess.Popen) -> int:
+        proc.send_signal(signal.SIGCONT)
+        _, err = proc.communicate(timeout=120)
+        return proc.returncode, err[-2000:]
+
+    # the first sweep's failed job is on record when the second starts and ends
+    first = held(lambda: [p for p in (tmp_path / FAILED_DIR).rglob("*") if p.is_file()], "model.rnn=lstm,gru")
+    try:
+        second = cli(*common, "model.rnn=rnn")
+    finally:
+        code, err = resumed(first)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert code == 2 and "error: 1 runs of this sweep stopped early" in err, err
+    # a sweep whose jobs all finish, while another fails a job and ends
+    clean = tmp_path / run_name(to_container(config(f"data.root={smoke_root}", "model.rnn=rnn", "seed=1")))
+    third = held(clean.exists, "model.rnn=rnn", "seed=1")
+    try:
+        fourth = cli(*common, "model.rnn=lstm")
+    finally:
+        code, err = resumed(third)
+    assert fourth.returncode == 2, fourth.stderr[-2000:]
+    assert code == 0, err
+    assert not (tmp_path / FAILED_DIR).exists()  # each sweep took its records away
+
+
 def test_data_error_stops_a_sweep_with_one_line(tmp_path):
     bad = tmp_path / "an4_sphere.tar.gz"
     bad.write_bytes(b"not an archive" * 100)
@@ -546,11 +598,197 @@ def test_damaged_checkpoint_names_the_file_and_the_fix(smoke, tmp_path):
     checkpoint = tmp_path / CHECKPOINT
     whole = checkpoint.read_bytes()
     checkpoint.write_bytes(whole[: len(whole) // 2])
-    with pytest.raises(RunError, match=rf"{re.escape(str(checkpoint))}: unreadable .*; delete checkpoint.pt"):
+    with pytest.raises(RunError, match=rf"{re.escape(str(checkpoint))}: unreadable .*; train.rerun=true to train "
+                                       "this run afresh"):
         train(smoke("train.epochs=1"), tmp_path)
     checkpoint.write_bytes(whole)  # whole again, but of another model
-    with pytest.raises(RunError, match="does not fit this model .*train.rerun=true"):
+    with pytest.raises(RunError, match=r"the checkpoint of another run \(other model.hidden_size\).*train.rerun=true"):
         train(smoke("train.epochs=1", "model.hidden_size=16"), tmp_path)
+
+
+def test_a_run_folder_that_cannot_be_written_names_it_and_the_fix(smoke, tmp_path, monkeypatch):
+    """A read-only run folder (as a user who is not root meets it): the lock's file cannot be opened."""
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+
+    monkeypatch.setattr(rundir, "open", refuse, raising=False)  # the lock's open, rundir's only one
+    with pytest.raises(RunError, match=rf"{re.escape(str(tmp_path / LOCK))}: Permission denied; make the folder "
+                                       "writable, or choose another"):
+        train(smoke(), tmp_path)
+
+
+def full_disk(path: Path) -> None:
+    """The next atomic write of path, by this process, fails as on a full disk: its temporary file is /dev/full."""
+    (path.parent / f".{path.name}.{os.getpid()}.tmp").symlink_to("/dev/full")
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, whose writes fail with ENOSPC")
+def test_a_full_disk_at_a_checkpoint_names_the_file_and_the_run_resumes(smoke, tmp_path, monkeypatch, uninterrupted):
+    """torch.save's own file writer said only "unexpected pos 704 vs 598", in a traceback."""
+    whole = RunFolder.save_checkpoint
+
+    def save_checkpoint(self, model, opt, progress, *args):
+        if progress["epoch"] == 2:
+            full_disk(self.file(CHECKPOINT))
+        return whole(self, model, opt, progress, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(RunFolder, "save_checkpoint", save_checkpoint)
+        with pytest.raises(RunError, match=rf"{re.escape(str(tmp_path / CHECKPOINT))}: No space left on device; free "
+                                           "space on that disk; then run the same command again"):
+            train(smoke("train.epochs=6"), tmp_path)
+    assert torch.load(tmp_path / CHECKPOINT, weights_only=False)["progress"]["epoch"] == 1  # whole, as it was
+    assert not list(tmp_path.glob(".*.tmp"))
+    results = train(smoke("train.epochs=6"), tmp_path)
+    assert [e["epoch"] for e in results["epochs"]] == [1, 2, 3, 4, 5, 6]
+    assert results["test_wer"] == uninterrupted["test_wer"]
+
+
+def test_a_full_disk_while_preparing_the_corpus_is_one_error_line(tmp_path, monkeypatch, capsys, archive):
+    """As `python -m batchrnn.data` and as a run prepare it: writing the corpus's marker (its fsync, where a full
+    disk shows on many filesystems), then extracting the archive (which was called corrupt)."""
+    def fsync(path):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as os.fsync raises it: no file named
+
+    with monkeypatch.context() as patch:
+        patch.setattr(storage, "fsync", fsync)
+        with pytest.raises(SystemExit) as stop:
+            preparation.main(["--preset", "smoke", "--root", str(tmp_path / "cli")])
+        (error,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+        assert stop.value.code == 2
+        assert error == f"error: {tmp_path / 'cli'}/synthetic/an4/{data.MARKER}: No space left on device; free " \
+                        "space on that disk, or set data.root to another folder; then run the same command again"
+        with pytest.raises(DataError, match="No space left on device; free space on that disk, or set data.root"):
+            train(config(f"data.root={tmp_path / 'run'}"), tmp_path / "run")
+
+    def makefile(self, tarinfo, targetpath):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(tarfile.TarFile, "makefile", makefile)
+    with pytest.raises(DataError, match=r"No space left on device; free space on that disk, or set data.root") as e:
+        prepare(archive, tmp_path / "extract")
+    assert "corrupt" not in str(e.value)
+
+
+@pytest.mark.parametrize("key", ["hydra.run.dir", "hydra.sweep.dir"])
+def test_a_study_folder_that_names_a_file_is_one_error_line(tmp_path, key):
+    (tmp_path / "file").write_text("")
+    run = cli(*["-m"] * (key == "hydra.sweep.dir"), "experiment=smoke", f"{key}={tmp_path / 'file'}", timeout=60)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert run.stderr == f"error: {key}={tmp_path / 'file'}: names a file, not a folder; give a folder that can be " \
+                         "written\n"
+
+
+def test_evaluate_says_a_run_is_unfinished_and_that_a_folder_is_not_audio(smoke, tmp_path, monkeypatch, capsys):
+    with monkeypatch.context() as patch:
+        stopped_after(patch, 1)
+        with pytest.raises(KeyboardInterrupt):
+            train(smoke("train.epochs=3"), tmp_path)
+    capsys.readouterr()
+    evaluate.main(["score", str(tmp_path), "--device", "cpu"])
+    assert f"warning: {tmp_path}: unfinished (status running, 1 epoch in {RESULTS}); these are the scores of its " \
+           "best epoch so far (1)\n" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        evaluate.main(["transcribe", str(tmp_path), str(tmp_path), "--device", "cpu"])
+    (error,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert stop.value.code == 2
+    assert error == f"error: {tmp_path}: a folder, not an audio file; give the files in it (e.g. {tmp_path}/*.wav)"
+
+
+def test_sigterm_ends_python_m_batchrnn_data_with_one_line(tmp_path):
+    """It ended with 143 and said nothing. A download that never answers holds it inside its preparation."""
+    env = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "all_proxy")}
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.settimeout(120)
+        url = f"http://127.0.0.1:{server.getsockname()[1]}/an4_sphere.tar.gz"
+        proc = subprocess.Popen([sys.executable, "-m", "batchrnn.data", "--preset", "smoke", "--corpus", "an4",
+                                 "--archive", url, "--root", str(tmp_path)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env | {"PYTHONPATH": str(ROOT / "src")})
+        connection, _ = server.accept()  # it is downloading
+        with connection:
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-2000:]
+    assert err == f"stopped by SIGTERM; run the same command again to {preparation.AGAIN}\n"
+
+
+def stopped_after(monkeypatch, epochs: int) -> None:
+    """The next train() stops (KeyboardInterrupt) as epoch `epochs` + 1 begins, its files as after `epochs`."""
+    whole = loop.train_epoch
+
+    def train_epoch(run, progress, tracker):
+        if progress.epoch == epochs + 1:
+            raise KeyboardInterrupt
+        return whole(run, progress, tracker)
+
+    monkeypatch.setattr(loop, "train_epoch", train_epoch)
+
+
+def test_damaged_best_of_a_stopped_run_is_written_again_before_any_epoch_trains(smoke, tmp_path, monkeypatch,
+                                                                                caplog, uninterrupted):
+    """best.pt was read only once training ended: a garbled one cost the epochs after the stop, then every later
+    run failed at once. checkpoint.pt holds the best epoch's weights, so best.pt is written again at resume."""
+    assert uninterrupted["best_epoch"] < 3  # so the checkpoint at 3 holds other weights than the best
+    with monkeypatch.context() as patch:
+        stopped_after(patch, 3)
+        with pytest.raises(KeyboardInterrupt):
+            train(smoke("train.epochs=6"), tmp_path)
+    (tmp_path / BEST).write_bytes(b"garbled")
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        results = train(smoke("train.epochs=6"), tmp_path)
+    lines = [r.getMessage() for r in caplog.records]
+    (warned,) = [i for i, line in enumerate(lines) if line.startswith(f"{tmp_path / BEST}: ")]
+    assert re.match(rf"{re.escape(str(tmp_path / BEST))}: not a readable model file .*; written again from "
+                    rf"{CHECKPOINT} \(epoch {uninterrupted['best_epoch']}, the best\)", lines[warned])
+    assert warned < min(i for i, line in enumerate(lines) if line.startswith("epoch 4:"))  # before any epoch
+    assert [e["epoch"] for e in results["epochs"]] == [1, 2, 3, 4, 5, 6]
+    assert results["test_wer"] == uninterrupted["test_wer"] and results["best_epoch"] == uninterrupted["best_epoch"]
+    assert load_model(tmp_path / BEST)[1]["epoch"] == uninterrupted["best_epoch"]
+
+
+@pytest.mark.parametrize("damage", ["missing", "garbled"])
+def test_finished_run_without_a_usable_best_stays_finished_and_evaluate_refuses_it(smoke, tmp_path, caplog, capsys,
+                                                                                   damage):
+    first = train(smoke(), tmp_path)
+    mtime = (tmp_path / CHECKPOINT).stat().st_mtime_ns
+    (tmp_path / BEST).unlink() if damage == "missing" else (tmp_path / BEST).write_bytes(b"garbled")
+    caplog.clear()
+    again = train(smoke(), tmp_path)
+    assert again["status"] == "finished" and again["epochs"] == first["epochs"]
+    assert (tmp_path / CHECKPOINT).stat().st_mtime_ns == mtime  # not trained again
+    assert re.search(rf"{re.escape(str(tmp_path / BEST))}: .*; the run stays finished, but evaluate cannot use it: "
+                     r"train.rerun=true trains it again", caplog.text)
+    with pytest.raises(SystemExit) as stop:
+        evaluate.main(["score", str(tmp_path), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("error:") == 1 and f"error: {tmp_path / BEST}: " in err
+
+
+def test_a_checkpoint_copied_from_another_run_is_refused(smoke, tmp_path):
+    """docs/runs.md: a checkpoint of other settings is refused; one of the same model's shape (another rate and
+    seed) was resumed, its epochs then filed under this run's settings."""
+    train(smoke("train.epochs=1", "train.lr=1e-2", "seed=7"), tmp_path / "other")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / CHECKPOINT).write_bytes((tmp_path / "other" / CHECKPOINT).read_bytes())
+    with pytest.raises(RunError, match=r"checkpoint.pt: the checkpoint of another run \(other seed, train.lr\); put "
+                                       r"it back in its own run's folder, or train.rerun=true"):
+        train(smoke("train.epochs=1"), tmp_path / "run")
+    assert not (tmp_path / "run" / RESULTS).exists()
+
+
+def test_a_deleted_checkpoint_of_a_run_with_epochs_on_record_is_refused(smoke, tmp_path, monkeypatch):
+    """It restarted the run from scratch without a word, and results.json's epochs were replaced."""
+    with monkeypatch.context() as patch:
+        stopped_after(patch, 1)
+        with pytest.raises(KeyboardInterrupt):
+            train(smoke("train.epochs=3"), tmp_path)
+    (tmp_path / CHECKPOINT).unlink()
+    with pytest.raises(RunError, match=rf"{CHECKPOINT}: missing, though {RESULTS} records 1 complete epoch; put it "
+                                       "back to resume, or train.rerun=true"):
+        train(smoke("train.epochs=3"), tmp_path)
+    assert len(json.loads((tmp_path / RESULTS).read_text())["epochs"]) == 1  # kept
+    assert train(smoke("train.epochs=3", "train.rerun=true"), tmp_path)["status"] == "finished"
 
 
 def test_damaged_results_of_a_finished_run_are_rebuilt_without_training(smoke, tmp_path, caplog):

@@ -197,6 +197,16 @@ def test_holm_on_a_hand_worked_example():
     assert holm([]) == []
 
 
+def test_a_figure_that_is_not_a_number_skips_its_run_with_a_warning(sweep, tmp_path, caplog):
+    """A hand-edited or hostile results.json: the report died in numpy's float conversion."""
+    path = sweep / "gru-post" / "seed1" / "results.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"test_wer": "abc"}))
+    with caplog.at_level(logging.WARNING):
+        report = write_report(sweep, tmp_path / "out")
+    assert f"skipping {path}: test_wer is 'abc', not a number; rerun that run or delete the file" in caplog.text
+    assert "Quality at convergence" in report.read_text()
+
+
 def test_single_seed_has_no_std_and_cli_defaults_out_to_sweep(tmp_path, capsys):
     one = fake_result("gru", "none", 0)
     del one["test_utterances"]

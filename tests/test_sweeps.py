@@ -137,10 +137,12 @@ def test_a_sweep_exits_with_its_worst_job_status_not_the_largest(tmp_path):
     """A job that diverged (3) and one that could not run (2: a damaged folder, a variant with no rate) in one
     sweep: the sweep says 2, the one a user must act on; a crash or a signal says more than either."""
     assert [worst(0, 3), worst(3, 2), worst(2, 3), worst(2, 1), worst(143, 2), worst(0, 0)] == [3, 2, 2, 2, 143, 0]
-    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
-    (tmp_path / FAILED_DIR).mkdir()
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}, "overrides": {"hydra": []}}})
+    sweep = SweepStatus()
+    sweep.on_multirun_start(config)
+    (tmp_path / FAILED_DIR / sweep.sweep).mkdir(parents=True)
     for job, status in ((0, 3), (1, 2), (2, 3)):
-        (tmp_path / FAILED_DIR / str(job)).write_text(f"{status}\n")
+        (tmp_path / FAILED_DIR / sweep.sweep / str(job)).write_text(f"{status}\n")
     with pytest.raises(SystemExit) as stop:
-        SweepStatus().on_multirun_end(config)
+        sweep.on_multirun_end(config)
     assert stop.value.code == 2

@@ -10,6 +10,7 @@ from batchrnn.layers import cpu_gru
 from batchrnn.training.checkpoint import load_model
 from batchrnn.metrics import error_rates
 from batchrnn.training.rundir import BEST, CHECKPOINT, LOG, RESULTS, RunFolder
+from batchrnn.training import loop
 from batchrnn.training.loop import code_commit, train
 from conftest import ROOT
 from wandb_offline import read_offline_run
@@ -56,11 +57,20 @@ def test_training_learns_the_generated_corpus(smoke, tmp_path):
     assert still["best_val_wer"] > 0.9
 
 
-def test_resumed_run_equals_uninterrupted_run(smoke, tmp_path):
+def test_resumed_run_equals_uninterrupted_run(smoke, tmp_path, monkeypatch):
     whole = train(smoke("train.epochs=3"), tmp_path / "whole")
     part = tmp_path / "part"
-    train(smoke("train.epochs=1"), part)
-    (part / RESULTS).unlink()  # as if killed after epoch 1's checkpoint, before the run finished
+    one_epoch = loop.train_epoch
+
+    def train_epoch(run, progress, tracker):  # as if killed after epoch 1's checkpoint, before the run finished
+        if progress.epoch == 2:
+            raise KeyboardInterrupt
+        return one_epoch(run, progress, tracker)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(loop, "train_epoch", train_epoch)
+        with pytest.raises(KeyboardInterrupt):
+            train(smoke("train.epochs=3"), part)
     resumed = train(smoke("train.epochs=3"), part)
     assert [e["train_loss"] for e in resumed["epochs"]] == pytest.approx([e["train_loss"] for e in whole["epochs"]])
     assert resumed["test_wer"] == pytest.approx(whole["test_wer"])

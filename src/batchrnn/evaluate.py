@@ -6,6 +6,7 @@
     python -m batchrnn.evaluate transcribe runs/smoke/gru-seqwise-L2-lr0.003-s0-<hash> --decoder beam a.sph
 """
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ from batchrnn.decoding.beam import check
 from batchrnn.storage import write_json
 from batchrnn.data.text import greedy_decode
 from batchrnn.training.device import pick_device, uses_bf16
-from batchrnn.training.rundir import BEST
+from batchrnn.training.rundir import BEST, RESULTS
 from batchrnn.training.loop import score
 
 
@@ -73,6 +74,9 @@ def score_split(args) -> None:
         given = ", ".join(str(m) for m in manifests(cfg).values())
         raise UsageError(f"{path}: its manifests ({given}) have changed since the run trained; score it on the "
                          "manifests it was trained with")
+    if (unfinished := unfinished_run(path)) is not None:
+        print(f"warning: {path.parent}: {unfinished}; these are the scores of its best epoch so far "
+              f"({info.get('epoch')})", file=sys.stderr)
     fs = load_features(prepare_corpus(cfg), args.split, cfg)
     result = score(model, fs, info["config"]["train"]["batch_size"], device, uses_amp(info, device), progress=True)
     print(f"{path}: {args.split} WER {100 * result['wer']:.2f}%, CER {100 * result['cer']:.2f}%, "
@@ -90,8 +94,24 @@ def score_split(args) -> None:
         write_json(args.out, {"checkpoint": str(path), "split": args.split, **result} | ({"lm": lm} if lm else {}))
 
 
+def unfinished_run(path: Path) -> str | None:
+    """'unfinished (status running, 3 epochs)' when the best.pt at path lies in a run folder whose results.json
+    says the run has not finished; None for a finished run, or a best.pt kept elsewhere."""
+    try:
+        results = json.loads((path.parent / RESULTS).read_text())
+    except (OSError, ValueError):
+        return None
+    status = results.get("status") if isinstance(results, dict) else None
+    if status in (None, "finished"):
+        return None
+    epochs = len(results.get("epochs") or [])
+    return f"unfinished (status {status}, {epochs} epoch{'s' * (epochs != 1)} in {RESULTS})"
+
+
 def read_any_audio(path: str) -> torch.Tensor:
     """float32 mono samples of a SPHERE file (the corpus's own checks) or anything else soundfile reads."""
+    if Path(path).is_dir():
+        raise UsageError(f"{path}: a folder, not an audio file; give the files in it (e.g. {path}/*.wav)")
     if not Path(path).is_file():
         raise UsageError(f"{path}: no such audio file; give SPHERE or WAV files")
     try:

@@ -18,8 +18,24 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         fsync(tmp)
         os.replace(tmp, path)
         fsync(path.parent)
+    except OSError as e:
+        if e.filename is None and e.errno is not None:  # a write's or fsync's, which name no file: this one
+            raise type(e)(e.errno, e.strerror, str(path)) from e
+        raise
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def atomic_save(path: Path, obj) -> None:
+    """torch.save(obj) through atomic_write, into a Python file: on a full disk torch's own file writer raises an
+    opaque RuntimeError ("unexpected pos"), a Python file the OSError (ENOSPC) that says what is wrong."""
+    import torch  # here: storage is imported where torch need not load yet
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+
+    atomic_write(path, write)
 
 
 def fsync(path: Path) -> None:

@@ -1,5 +1,5 @@
-"""batchrnn.sweep.SweepStatus, the name conf/config.yaml and users' configs give Hydra
+"""batchrnn.sweep.SweepStatus and StudyFolder, the names conf/config.yaml and users' configs give Hydra
 (batchrnn.study.sweep)."""
-from batchrnn.study.sweep import SweepStatus
+from batchrnn.study.sweep import StudyFolder, SweepStatus
 
-__all__ = ["SweepStatus"]
+__all__ = ["StudyFolder", "SweepStatus"]

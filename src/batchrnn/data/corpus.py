@@ -26,7 +26,7 @@ import torch
 from batchrnn.config import CorpusName, DataConfig
 from batchrnn.data.base import SAMPLE_RATE, Corpus, DataError, Utterance, describe, split_corpus
 from batchrnn.data.manifest import prepare_manifest_corpus
-from batchrnn.errors import one_line
+from batchrnn.errors import cannot_write, one_line
 from batchrnn.storage import write_json
 from batchrnn.data.text import TranscriptError, normalize
 from batchrnn.progress import progress_bar
@@ -123,6 +123,14 @@ def _download(url: str, dest: Path, attempts: int = 4) -> None:
 # -----------------------------------------------------------------------------
 # extracting and verifying
 
+def unwritable(e: OSError) -> DataError | None:
+    """A full disk or a data.root this process may not write in, as the DataError that says so; None for any other
+    OSError. Every file of a prepared corpus is written whole or marked when complete, so nothing is lost."""
+    if (problem := cannot_write(e)) is None:
+        return None
+    return DataError(f"{problem}, or set data.root to another folder; then run the same command again")
+
+
 def extract_archive(archive: Path, dest: Path) -> None:
     """Extract into dest (the archive's an4/ lands at dest/an4); members outside dest are refused."""
     dest = Path(dest).resolve()
@@ -141,6 +149,8 @@ def extract_archive(archive: Path, dest: Path) -> None:
     except tarfile.FilterError as e:  # links out of dest, devices: the filter names the member
         raise DataError(f"{archive}: refusing member {e.tarinfo.name!r} ({e})") from e
     except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
+        if isinstance(e, OSError) and (full := unwritable(e)):  # a full disk: the archive is whole
+            raise full from e
         raise DataError(f"{archive}: truncated or corrupt archive ({one_line(e)}); delete it and fetch it "
                         "again") from e
 

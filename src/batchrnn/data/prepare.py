@@ -15,11 +15,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from batchrnn.config import ConfigError, CorpusName, DataConfig, register_configs, with_device_preset
 from batchrnn.validation import validate
-from batchrnn.data.corpus import DataError, prepare_corpus
+from batchrnn.data.corpus import DataError, prepare_corpus, unwritable
 from batchrnn.data.features import Featurizer, cache_path, load_features
 from batchrnn.data.manifest import export_manifests
 
 CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
+# What a second run after a stop does: the download resumes, an extraction without its marker is done again, and
+# each feature cache is written whole or not at all
+AGAIN = "go on: what is prepared is kept"
 PRESETS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 
 
@@ -39,6 +42,14 @@ def feature_settings(cfg: DataConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    try:
+        prepare(argv)
+    except KeyboardInterrupt:
+        print(f"interrupted; run the same command again to {AGAIN}", file=sys.stderr)
+        sys.exit(130)
+
+
+def prepare(argv: list[str] | None) -> None:
     by_preset = "\n".join(f"  {preset or '(none)':10} {feature_settings(compose_run_config(preset).data)}"
                           for preset in [None, *PRESETS])
     p = argparse.ArgumentParser(prog="python -m batchrnn.data", description=__doc__.split("\n\n")[0],
@@ -85,8 +96,11 @@ def main(argv: list[str] | None = None) -> None:
                 summary["frames"][split] = {"min": lengths[0], "median": lengths[len(lengths) // 2],
                                             "max": lengths[-1]}
             summary["seconds"]["features"] = round(time.perf_counter() - t0, 1)
-    except (ConfigError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ConfigError, DataError, OSError) as e:
+        problem = unwritable(e) if isinstance(e, OSError) else e
+        if problem is None:  # an OSError other than a full disk or a read-only folder
+            raise
+        print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)  # as src/run.py: a problem the user can fix
     for key in ("skipped_ids", "normalized_ids"):  # the counts say enough on the terminal
         summary.pop(key)

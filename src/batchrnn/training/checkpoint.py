@@ -11,7 +11,7 @@ from omegaconf.errors import OmegaConfBaseException
 from batchrnn.config import ModelConfig
 from batchrnn.errors import one_line
 from batchrnn.model import DeepSpeech2
-from batchrnn.storage import atomic_write
+from batchrnn.storage import atomic_save
 from batchrnn.data.text import LABELS
 
 FORMAT = 1  # bump when the layout below changes, so an older reader refuses a newer file
@@ -23,11 +23,12 @@ class CheckpointError(ValueError):
     """A model file that cannot be used; the message names the file and the fix."""
 
 
-def save_model(path: Path, model: DeepSpeech2, config: dict, **extra) -> None:
-    """config: the run's whole resolved config as a plain dict (config.to_container); extra: epoch, val_wer..."""
+def save_model(path: Path, model: DeepSpeech2, config: dict, weights: dict | None = None, **extra) -> None:
+    """config: the run's whole resolved config as a plain dict (config.to_container); weights: a state dict of
+    model's shape, the model's own by default; extra: epoch, val_wer..."""
     blob = {"format": FORMAT, "config": config, "labels": ALPHABET, "num_features": model.num_features,
-            "state_dict": model.state_dict(), **extra}
-    atomic_write(path, lambda tmp: torch.save(blob, tmp))
+            "state_dict": model.state_dict() if weights is None else weights, **extra}
+    atomic_save(path, blob)
 
 
 def load_model(path: Path, device: str | torch.device = "cpu") -> tuple[DeepSpeech2, dict]:

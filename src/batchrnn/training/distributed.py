@@ -232,11 +232,6 @@ def broadcast(value):
     return box[0]
 
 
-def barrier() -> None:
-    if active():
-        dist.barrier()
-
-
 @contextlib.contextmanager
 def one_at_a_time(folder: Path):
     """The processes that share a data folder (the ranks on a machine, a parallel sweep's jobs), one at a time

@@ -20,14 +20,14 @@ from omegaconf import DictConfig
 from batchrnn.config import ConfigError, Decoder, Schedule, to_container
 from batchrnn.validation import validate
 from batchrnn.data.base import corpus_changes
-from batchrnn.data.corpus import prepare_corpus
+from batchrnn.data.corpus import prepare_corpus, unwritable
 from batchrnn.training.device import machine, peak_memory_mb, pick_device, reset_peak_memory, synchronize, uses_bf16
 from batchrnn.data.features import FeatureSet, collate, load_features, make_batches
 from batchrnn.metrics import error_rates
 from batchrnn.model import DeepSpeech2
 from batchrnn.training.identity import settings, variant_label
 from batchrnn.training import distributed, stopping
-from batchrnn.training.rundir import BEST, CHECKPOINT, RESULTS, RunError, RunFolder
+from batchrnn.training.rundir import BEST, CHECKPOINT, RESULTS, RunError, RunFolder, weights_of
 from batchrnn.data.text import LABELS, greedy_decode
 from batchrnn.tracking.tracker import Tracker, start_tracking
 from batchrnn.progress import progress_bar
@@ -111,9 +111,14 @@ class Run:
         self.bf16 = uses_bf16(t, self.device)
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-        with distributed.one_at_a_time(cfg.data.root):  # ranks, a parallel sweep: the first prepares, the others read
-            corpus = prepare_corpus(cfg.data)
-            self.sets = {s: load_features(corpus, s, cfg.data) for s in ("train", "val", "test")}
+        try:
+            with distributed.one_at_a_time(cfg.data.root):  # ranks, a parallel sweep: the first prepares, the others read
+                corpus = prepare_corpus(cfg.data)
+                self.sets = {s: load_features(corpus, s, cfg.data) for s in ("train", "val", "test")}
+        except OSError as e:  # a full disk, a read-only data.root
+            if (full := unwritable(e)) is None:
+                raise
+            raise full from e
         self.corpus_summary = corpus.summary
         for line in corpus_changes(corpus.summary):  # the same counts are in results.json under "corpus"
             log.warning("%s", line)
@@ -217,6 +222,10 @@ def opening(cfg: DictConfig, folder: RunFolder, preset: str | None) -> dict | No
         folder.check_settings(config)
         if (done := folder.results()).get("status") == "finished":
             log.info("%s is finished; train.rerun=true runs it again", folder.path)
+            if fault := folder.best_fault(config):  # its results are whole: a study needs nothing more
+                log.warning("%s: %s; the run stays finished, but evaluate cannot use it: train.rerun=true trains "
+                            "it again", folder.file(BEST), fault)
+                return done
             return with_lm(cfg, folder, done, pick_device(t.device))
     folder.start(t.rerun)
     return None
@@ -256,7 +265,8 @@ def train_in(cfg: DictConfig, folder: RunFolder, preset: str | None) -> dict:
     if outcome is not None:
         return outcome
     run = Run(cfg)
-    progress = Progress(**(folder.resume(run.model, run.opt, run.device) or {}))
+    resumed, best = folder.resume(run.model, run.opt, run.device, config, lead)
+    progress = Progress(**resumed)
     name = f"{variant_label(settings(config))}-s{cfg.seed}"
     tracker = start_tracking(cfg.logger, folder.path, name, cfg.study, config) if lead else Tracker()
     log.info("%s: %d parameters on %s%s, %d/%d/%d utterances (train/val/test), tracking %s, folder %s", name,
@@ -283,10 +293,13 @@ def train_in(cfg: DictConfig, folder: RunFolder, preset: str | None) -> dict:
                        "skipped_steps": progress.skipped_steps,
                        "grad_norm_mean": epoch["grad_norm_mean"], "grad_norm_max": epoch["grad_norm_max"]}
                 progress.history.append(row)
-                if progress.judge(val["wer"], val["loss"], t) and lead:
-                    folder.save_best(run.model, config, epoch=progress.epoch, val_wer=val["wer"])
+                if progress.judge(val["wer"], val["loss"], t):
+                    best = weights_of(run.model)  # tested at the end; in the checkpoint while not the last epoch's
+                    if lead:
+                        folder.save_best(run.model, config, epoch=progress.epoch, val_wer=val["wer"])
                 if lead:
-                    folder.save_checkpoint(run.model, run.opt, asdict(progress))
+                    folder.save_checkpoint(run.model, run.opt, asdict(progress), config,
+                                           None if progress.best_epoch == progress.epoch else best)
                     folder.write_results(summary("running"))
                 tracker.log_epoch(row)
                 log.info("epoch %d: train loss %.3f, val loss %.3f, val WER %.1f%%, CER %.1f%%, %.1f s, %.0f MB, "
@@ -302,8 +315,7 @@ def train_in(cfg: DictConfig, folder: RunFolder, preset: str | None) -> dict:
                 folder.write_results(summary("diverged") | {"error": str(e)})
             tracker.finish()  # a sweep goes on with its next job, which starts its own W&B run
             raise
-        distributed.barrier()  # rank 0 has written best.pt
-        run.model.load_state_dict(folder.best_state(run.device))
+        run.model.load_state_dict(best)
         test = score(run.model, run.sets["test"], t.batch_size, run.device, run.bf16)
         results = summary("finished") | {"test_wer": test["wer"], "test_cer": test["cer"], "test_loss": test["loss"],
                                          "test_utterances": test["utterances"]}

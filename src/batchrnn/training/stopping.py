@@ -35,12 +35,15 @@ import threading
 
 log = logging.getLogger("batchrnn")
 
-_state = {"deferring": 0, "signum": None}  # signum: a signal that came while deferring, not yet acted on
+# signum: a signal that came while deferring, not yet acted on; again: what the stop line says a rerun does
+_state = {"deferring": 0, "signum": None, "again": "resume from the last complete epoch"}
 
 
-def install() -> None:
+def install(again: str | None = None) -> None:
     """A run process's signal set-up (src/run.py): an alternate signal stack for this thread, and `on_signal` for
-    SIGTERM, where nobody else handles it (submitit's own handler turns SIGTERM into a SLURM requeue)."""
+    SIGTERM, where nobody else handles it (submitit's own handler turns SIGTERM into a SLURM requeue). again: what
+    running the command again does, for the line a stop prints (`python -m batchrnn.data` gives its own)."""
+    _state["again"] = again or _state["again"]
     # faulthandler's alternate stack (sized for this CPU's vector state; given to the thread that first enables it,
     # here the main thread) takes signals' frames off oneDNN's kernels (above); and a crash prints every thread's
     # Python stack to the log
@@ -58,8 +61,7 @@ def on_signal(signum: int, frame) -> None:
 
 
 def leave(signum: int) -> None:
-    log.warning("stopped by %s; run the same command again to resume from the last complete epoch",
-                signal.Signals(signum).name)
+    log.warning("stopped by %s; run the same command again to %s", signal.Signals(signum).name, _state["again"])
     sys.exit(128 + signum)
 
 

@@ -14,7 +14,7 @@ import batchrnn.layers.layernorm
 from batchrnn.config import BNMode, Impl, RNNType
 from batchrnn.model import build_recurrent_layer
 from batchrnn.layers import LAYERS
-from batchrnn.layers.base import GATES, affine, cell_loop, fused_recurrence, valid_mask
+from batchrnn.layers.base import GATES, Reversal, affine, cell_loop, fused_recurrence, reversal_rows, valid_mask
 from batchrnn.layers.folds import Gram, MaskedBatchNorm, QuadraticForm, cheaper_route, projected_moments
 from conftest import BN_MODES, STEP_LOOPS
 
@@ -424,6 +424,17 @@ def test_quadratic_form_backward_is_autograds():
     assert torch.autograd.gradcheck(QuadraticForm.apply, (x, m))
 
 
+def test_reversal_reverses_each_sequence_within_its_length_and_is_its_own_inverse():
+    x = torch.randn(T, N, D, dtype=torch.float64, requires_grad=True)
+    rows = reversal_rows(LENGTHS, T)
+    y = Reversal.apply(x, rows)
+    for n, length in enumerate(LENGTHS.tolist()):
+        assert torch.equal(y[:length, n], x[:length, n].flip(0))
+        assert torch.equal(y[length:, n], x[length:, n]), "padding stays in place"
+    assert torch.equal(Reversal.apply(y, rows), x)
+    assert torch.autograd.gradcheck(Reversal.apply, (x, rows))  # its backward is the same pick
+
+
 def test_both_moment_routes_agree_in_value_and_gradient():
     x = torch.randn(40, 6, dtype=torch.float64) + 3
     x[35:] = 0  # padding rows are zero, as the layer hands them over
@@ -446,10 +457,13 @@ def test_route_follows_cost():
     assert cheaper_route(frames=3200, d=256, copies=2, width=768) == "gram"  # long batches
     assert cheaper_route(frames=200, d=512, copies=2, width=1024) == "direct"  # short batch, wide input
     # LN's |W_c x|^2, one D x D product per copy and W_c^T W_c at 2 K D^2: gram once frames x (3 K - 2 D) >= 2 K D
-    assert cheaper_route(frames=1024, d=512, copies=2, width=768, grams=2, batch_products=2) == "gram"
-    assert cheaper_route(frames=640, d=512, copies=2, width=768, grams=2, batch_products=2) == "gram"
-    assert cheaper_route(frames=640, d=512, copies=2, width=768, grams=2) == "direct"  # at BN's 3 K D^2
-    assert cheaper_route(frames=512, d=512, copies=2, width=768, grams=2, batch_products=2) == "direct"
+    assert cheaper_route(frames=1024, d=512, copies=2, width=768, grams=2) == "gram"
+    assert cheaper_route(frames=640, d=512, copies=2, width=768, grams=2) == "gram"
+    assert cheaper_route(frames=512, d=512, copies=2, width=768, grams=2) == "direct"
+    # BN's E[x x^T], one D x D product per frame, and w_k^T S w_k at 2 K D^2 (K = copies x width): gram once
+    # frames x (3 K - 2 D) >= 2 K D, 409.6 frames here (at autograd's 3 K D^2 it was 614.4)
+    assert cheaper_route(frames=410, d=512, copies=2, width=1024) == "gram"
+    assert cheaper_route(frames=409, d=512, copies=2, width=1024) == "direct"
 
 
 @pytest.mark.parametrize("bn", ["seqwise", "ln"])

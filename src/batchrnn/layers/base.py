@@ -29,15 +29,29 @@ def valid_mask(lengths: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.T
     return (t[:, None] < lengths[None, :]).to(dtype)[..., None]
 
 
-def reverse_index(lengths: torch.Tensor, steps: int) -> torch.Tensor:
-    """(T, N): time index that reverses each sequence within its length and leaves padding in place."""
+def reversal_rows(lengths: torch.Tensor, steps: int) -> torch.Tensor:
+    """(T * N,): for each row of a (T * N, ...) view of a (T, N, ...) batch, the row that reverses its sequence
+    within its length; padding stays in place."""
     t = torch.arange(steps, device=lengths.device)[:, None]
+    n = torch.arange(len(lengths), device=lengths.device)
     lengths = lengths[None, :]
-    return torch.where(t < lengths, lengths - 1 - t, t)
+    return (torch.where(t < lengths, lengths - 1 - t, t) * len(n) + n).flatten()
 
 
-def gather_time(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    return x.gather(0, index[..., None].expand_as(x))
+class Reversal(torch.autograd.Function):
+    """x (T, N, ...) with each sequence reversed within its length: whole rows of the (T * N, ...) view, picked by
+    reversal_rows. The pick is a permutation that is its own inverse, so the backward is the same pick, where
+    gather's is a zero fill and a scatter-add."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(rows)
+        return x.reshape(len(rows), *x.shape[2:]).index_select(0, rows).view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (rows,) = ctx.saved_tensors
+        return Reversal.apply(grad, rows), None
 
 
 def full_precision(t: torch.Tensor) -> torch.Tensor:
@@ -192,7 +206,7 @@ class RecurrentLayer(nn.Module):
     def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         mask = valid_mask(lengths, x.shape[0], x.dtype)  # (T, N, 1)
         x = torch.where(mask.bool(), x, 0.0)  # whatever padded frames hold (even NaN), they contribute nothing
-        rev = reverse_index(lengths, x.shape[0])
+        rev = reversal_rows(lengths, x.shape[0])
         x = self.input_transform(x, mask)
         if self.step_loop:
             inputs = self.input_preactivations(x, mask)  # per direction (T, N, gates x H)
@@ -201,13 +215,13 @@ class RecurrentLayer(nn.Module):
             inputs = [x if f.frame_scale is None else x * f.frame_scale for f in folds]  # per direction (T, N, D)
         out = 0
         for d in range(self.directions):
-            seq = inputs[d] if d == 0 else gather_time(inputs[d], rev)
+            seq = inputs[d] if d == 0 else Reversal.apply(inputs[d], rev)
             if self.step_loop:
                 h = self.recurrence(seq, d, mask)
             else:
                 h = fused_recurrence(self.rnn, seq, folds[d].weight, folds[d].bias, *self.recurrent_weights(d),
                                      self.training)
-            out = out + (h if d == 0 else gather_time(h, rev))  # (T, N, H)
+            out = out + (h if d == 0 else Reversal.apply(h, rev))  # (T, N, H)
         return self.output_transform(out, mask) * mask
 
     def input_transform(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

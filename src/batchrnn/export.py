@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchrnn.config import ModelConfig, RNNType
+from batchrnn.config import BNMode, ModelConfig, RNNType
 from batchrnn.data.corpus import sha256
 from batchrnn.data.features import FeatureSet, collate, make_batches
 from batchrnn.errors import one_line
@@ -46,7 +46,7 @@ def unfoldable(cfg: ModelConfig) -> str | None:
         return ("model.rnn=rnn is DS2's clipped ReLU, min(max(x, 0), 20), which no fused kernel computes "
                 "(nn.RNN's relu is unclipped)")
     if not LAYERS[cfg.bn].fused:
-        return (f"model.bn={cfg.bn.value} normalises U h at every step, a step loop that nn.GRU/nn.LSTM cannot "
+        return (f"model.bn={BNMode(cfg.bn).value} normalises U h at every step, a step loop that nn.GRU/nn.LSTM cannot "
                 "run, so it has no folded form")
     return None
 
@@ -211,6 +211,8 @@ def onnx_bytes(model: FoldedDS2, num_features: int, metadata: dict) -> bytes:
     buffer = io.BytesIO()
     with warnings.catch_warnings():  # that h0 fixes the batch: FoldedLayer gives h0 of x's own batch size
         warnings.filterwarnings("ignore", "Exporting a model to ONNX with a batch_size other than 1")
+        # nn.GRU's checks of its input's width and h0's shape, the same for every input this model takes
+        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
         torch.onnx.export(model, (x, lengths), buffer, dynamo=False, input_names=["features", "lengths"],
                           output_names=["log_probs", "output_lengths"],
                           dynamic_axes={"features": {0: "batch", 2: "frames"}, "lengths": {0: "batch"},

@@ -19,7 +19,7 @@ every way, is left out. Real-time factor: that time over the test set's audio du
 Peak memory: the weights plus the most a pass adds to the process's resident memory (Linux's VmHWM, reset
 before each measured pass), for torch and onnxruntime alike.
 
-Prints one table per size, rnn, batch and thread count, then one JSON line per row.
+Prints one table per size, rnn, batch and thread count as each is done, each followed by one JSON line per row.
 """
 import argparse
 import itertools
@@ -130,7 +130,8 @@ def transcribe_all(model, data) -> None:
             model(x, lengths)
 
 
-def bench(size: str, rnn: str, args) -> list[dict]:
+def bench(size: str, rnn: str, args):
+    """Yields each batch and thread count's rows as they are done, so a long run shows them as it goes."""
     cfg = compose(size, args.data_root)
     model_cfg = typed(ModelConfig, cfg.model)
     model_cfg.rnn = rnn
@@ -142,7 +143,6 @@ def bench(size: str, rnn: str, args) -> list[dict]:
     num_features = feats[0].shape[1]
     calibration = batches(feats, 16)[-3:]  # the longest: every step of rbn's per-step moments gets some
     variants = [bn for bn in BNMode if not args.bn or bn.value in args.bn.split(",") or bn is BNMode.none]
-    rows = []
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         models = {}
@@ -169,17 +169,18 @@ def bench(size: str, rnn: str, args) -> list[dict]:
             for key, (model, mb, new) in models.items():
                 model = new() if new else model  # onnxruntime: a fresh session, whose arena starts empty
                 memory[key] = peak_mb(lambda: transcribe_all(model, data), mb)
+            rows = []
             for (bn, way), t in times.items():
                 median = statistics.median(t)
                 base = statistics.median(times[(BNMode.none, way)])
                 rows.append({"size": size, "layers": model_cfg.num_layers, "hidden": model_cfg.hidden_size,
                              "rnn": rnn, "bn": bn.value, "backend": backend(bn.value, "fused"), "way": way,
-                             "batch": batch, "threads": threads, "seconds": round(median, 3),
-                             "rtf": round(median / seconds, 4), "time_ratio": round(median / base, 3),
+                             "batch": batch, "threads": threads, "seconds": float(f"{median:.4g}"),
+                             "rtf": float(f"{median / seconds:.4g}"), "time_ratio": round(median / base, 3),
                              "peak_mb": round(memory[(bn, way)], 1),
                              "mem_ratio": round(memory[(bn, way)] / memory[(BNMode.none, way)], 3),
                              "audio_s": round(seconds, 1), "utterances": len(feats), "rounds": args.rounds})
-    return rows
+            yield rows
 
 
 def table(rows: list[dict]) -> None:
@@ -196,7 +197,7 @@ def table(rows: list[dict]) -> None:
             cells = []
             for w in ways:
                 r = next((r for r in group if r["bn"] == bn and r["way"] == w), None)
-                cells.append(f"{r['rtf']:.4f} ({r['time_ratio']:.2f}) {r['peak_mb']:6.0f}" if r else "-")
+                cells.append(f"{r['rtf']:.3g} ({r['time_ratio']:.2f}) {r['peak_mb']:6.0f}" if r else "-")
             print(f"{bn:8} {backend(bn, 'fused'):7} " + " ".join(f"{c:>22}" for c in cells))
 
 
@@ -224,10 +225,11 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, CPU GRU kernel "
           f"{cpu_gru.kernel_name()}, {os.cpu_count()} CPUs", flush=True)
-    rows = [row for size in args.sizes.split(",") for rnn in args.rnn.split(",") for row in bench(size, rnn, args)]
-    table(rows)
-    for r in rows:
-        print(json.dumps(r))
+    for size, rnn in itertools.product(args.sizes.split(","), args.rnn.split(",")):
+        for rows in bench(size, rnn, args):
+            table(rows)
+            for r in rows:
+                print(json.dumps(r), flush=True)
 
 
 if __name__ == "__main__":

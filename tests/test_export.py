@@ -1,5 +1,8 @@
 """batchrnn.export: the folded model against the trained one in eval, for every variant that folds; the
 refusals; the ONNX round trip; `python -m batchrnn.evaluate export` and `transcribe` with an export."""
+import importlib.util
+import json
+
 import pytest
 import soundfile as sf
 import torch
@@ -12,6 +15,7 @@ from batchrnn.layers.base import valid_mask
 from batchrnn.model import DeepSpeech2
 from batchrnn.training.checkpoint import ALPHABET, model_of, save_model
 from batchrnn.training.rundir import BEST
+from conftest import ROOT
 from test_evaluate import run  # noqa: F401  (the module's finished smoke run, a fixture)
 
 FEATURES = 16
@@ -212,3 +216,18 @@ def test_harness_kernels_run_onednn(monkeypatch):
     with torch.no_grad():
         folded(*batch(torch.float32))
     assert len(calls) == 3 * 2  # every layer, both directions
+
+
+def test_inference_bench_times_every_variant_every_way(smoke_root, capsys):
+    """experiments/bench_inference.py on the smoke corpus and model: a row per variant and way (eval alone for
+    those that do not fold), each with a time and a memory, none's ratios 1."""
+    spec = importlib.util.spec_from_file_location("bench_inference", ROOT / "experiments" / "bench_inference.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--data-root", str(smoke_root), "--sizes", "smoke", "--rnn", "lstm", "--batch", "4",
+                "--threads", "1", "--rounds", "1", "--warmup", "0", "--utterances", "4"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert sorted((r["bn"], r["way"]) for r in rows) == sorted(
+        [(bn, way) for bn in FOLDED for way in bench.WAYS] + [("ln_full", "eval"), ("rbn", "eval")])
+    assert all(r["rtf"] > 0 and r["peak_mb"] > 0 and r["utterances"] == 4 for r in rows), rows
+    assert all(r["time_ratio"] == 1 for r in rows if r["bn"] == "none")

@@ -4,6 +4,7 @@
     python -m batchrnn.evaluate score runs/smoke/gru-seqwise-L2-lr0.003-s0-<hash> --split test --decoder beam
     python -m batchrnn.evaluate transcribe runs/smoke/gru-seqwise-L2-lr0.003-s0-<hash>/best.pt a.sph b.wav
     python -m batchrnn.evaluate transcribe runs/smoke/gru-seqwise-L2-lr0.003-s0-<hash> --decoder beam a.sph
+    python -m batchrnn.evaluate export runs/smoke/gru-seqwise-L2-lr0.003-s0-<hash> --format onnx
 """
 import argparse
 import json
@@ -14,6 +15,7 @@ from pathlib import Path
 import soundfile as sf
 import torch
 
+from batchrnn import export
 from batchrnn.training.checkpoint import CheckpointError, load_model, typed
 from batchrnn.config import AN4_ARCHIVE_ENV, ConfigError, DataConfig, DecodeConfig, Decoder, TrainConfig
 from batchrnn.data.corpus import SAMPLE_RATE, DataError, prepare_corpus, read_audio
@@ -131,7 +133,7 @@ def read_any_audio(path: str) -> torch.Tensor:
 def transcribe(args) -> None:
     decoding = decode_config(args)
     path, device = checkpoint_path(args.checkpoint), pick_device(args.device)
-    model, info = load_model(path, device)
+    model, info = export.load_any(path, device)  # a best.pt, or an export of one
     featurizer = Featurizer(data_config(info))
     words = None
     if Decoder(decoding.decoder) is Decoder.beam:  # at the LM weight and word score tuned on the run's validation
@@ -149,11 +151,22 @@ def transcribe(args) -> None:
                              f"{featurizer.n_fft} ({1000 * featurizer.n_fft // SAMPLE_RATE} ms)")
         feats = featurizer(audio)  # (T, F)
         lengths = torch.tensor([feats.shape[0]], device=device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=uses_amp(info, device)):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=uses_amp(info, device) and
+                            "exported" not in info):  # an export is float32, as its check was
             logits, out_lens = model(feats.T[None].to(device), lengths)  # (T', 1, classes)
         text = (greedy_decode(logits.float(), out_lens)[0] if words is None
                 else words(logits[:out_lens[0], 0].float().log_softmax(-1).cpu()))
         print(f"{audio_path}\t{text}", flush=True)
+
+
+def export_run(args) -> None:
+    path = checkpoint_path(args.checkpoint)
+    model, info = load_model(path)  # refuses a missing, damaged or foreign best.pt
+    cfg, out = data_config(info, args.data_root), args.out or export.default_out(path, args.format)
+    worst, padded = export.export(path, model, info, args.format, out,
+                                  lambda: load_features(prepare_corpus(cfg), "val", cfg))
+    print(f"{out}: {args.format} export of {path}, log-probabilities within {worst:.1g} of the trained model's "
+          f"and {padded:.1g} under padding on the validation set")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -178,6 +191,15 @@ def main(argv: list[str] | None = None) -> None:
         command.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT", help=f"a run folder (its {BEST}) "
                              "or a checkpoint file")
         command.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    x = commands.add_parser("export", help="the model with its normalisations folded, for serving "
+                            "(docs/export.md)")
+    x.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT", help=f"a run folder (its {BEST}) or a checkpoint")
+    x.add_argument("--format", choices=export.FORMATS, default="torch")
+    x.add_argument("--out", type=Path, help="where to write it (default: beside the checkpoint, best.export.pt "
+                   "or best.onnx)")
+    x.add_argument("--data-root", help="folder of the prepared corpus, for the check on the validation set "
+                   "(default: the run's data.root)")
+    x.set_defaults(run=export_run)
     t.add_argument("audio", nargs="+", metavar="AUDIO", help="16 kHz audio files")
     args = p.parse_args(argv)
     try:

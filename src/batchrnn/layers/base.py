@@ -239,6 +239,22 @@ class RecurrentLayer(nn.Module):
     def recurrent_weights(self, d: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.weight_hh[d], self.bias_hh[d]
 
+    # The eval form, for batchrnn.export's fold: in eval each hook below says what the layer does beyond
+    # input_folds' (constant) W' and b' and recurrent_weights' U, so that a plain nn.GRU/nn.LSTM can run it.
+
+    def eval_input_affine(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """input_transform in eval as a per-channel (scale, shift) of x; None: x as it comes."""
+        return None
+
+    def eval_output_affine(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """output_transform in eval as a per-channel (scale, shift) of the summed directions; None: none."""
+        return None
+
+    def eval_frame_norm(self) -> torch.Tensor | None:
+        """Where input_folds scales x per frame (ln): M (copies, D, D) with frame_scale = inverse_sigma(x^T M x,
+        width); None: no per-frame scale."""
+        return None
+
     def recurrence(self, z: torch.Tensor, d: int, mask: torch.Tensor) -> torch.Tensor:
         """Direction d's outputs (T, N, H) from its input pre-activations z (T, N, gates x H), in the order it
         reads them (the backward direction's reversed within each length); mask (T, N, 1): valid steps."""

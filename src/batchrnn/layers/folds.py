@@ -152,6 +152,12 @@ class MaskedBatchNorm(nn.Module):
         scale = self.weight * torch.rsqrt(var + self.eps)
         return scale, self.bias - mean * scale
 
+    def eval_affine(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """In eval, this BN as the per-channel (scale, shift) its running moments give: an affine map."""
+        if self.training:
+            raise RuntimeError("MaskedBatchNorm.eval_affine: in training the batch's moments apply; call .eval()")
+        return self.fold(None, None, 0)
+
     def forward(self, x: torch.Tensor, mask: torch.Tensor, channel_dim: int = -1) -> torch.Tensor:
         return self.normalize(x, mask, channel_dim) * mask
 

@@ -8,6 +8,11 @@ from batchrnn.layers.base import InputFold, LN_EPS, ProjectedLayer, cell_loop, f
 from batchrnn.layers.folds import Gram, QuadraticForm, cheaper_route
 
 
+def inverse_sigma(square: torch.Tensor, width: int) -> torch.Tensor:
+    """LN(W x)'s 1 / sigma(x) from |W_c x|^2 over the K = width gate pre-activations: the frame's scale of x."""
+    return torch.rsqrt(square.clamp_min(0) / width + LN_EPS)
+
+
 class LayerNormLayer(ProjectedLayer):
     """bn=ln: LayerNorm of W x over one frame's gates x H, h_t = f(LN(W x_t) + U h_{t-1}), folded into
     the fused kernel, exact.
@@ -44,9 +49,13 @@ class LayerNormLayer(ProjectedLayer):
                 square = QuadraticForm.apply(xp, m).to(xf.dtype)  # (copies, T*N): |W_c x|^2
             else:
                 square = (xp @ wcf.transpose(1, 2).to(dtype)).to(xf.dtype).square().sum(-1)
-            inv_sigma = torch.rsqrt(square.clamp_min(0) / self.width + LN_EPS).view(self.copies, *x.shape[:2], 1)
+            inv_sigma = inverse_sigma(square, self.width).view(self.copies, *x.shape[:2], 1)
         return [InputFold(self.gain_ih[k, :, None] * wc[k], self.bias_ih[k], inv_sigma[k].to(x.dtype))
                 for k in self.copy_of]
+
+    def eval_frame_norm(self):
+        wc = self.weight_ih - self.weight_ih.mean(1, keepdim=True)
+        return wc.transpose(1, 2) @ wc  # W_c^T W_c per copy: |W_c x|^2 = x^T M x
 
     def input_preactivations(self, x, mask):
         return [F.layer_norm(x @ self.weight_ih[k].t(), (self.width,), self.gain_ih[k], self.bias_ih[k], LN_EPS)

@@ -30,6 +30,9 @@ class PostBNLayer(PlainLayer):
     def output_transform(self, y, mask):
         return self.bn(y, mask)
 
+    def eval_output_affine(self):
+        return self.bn.eval_affine()
+
 
 class InputBNLayer(PlainLayer):
     """bn=input: sequence-wise BN on x, then the fused RNN (deepspeech.pytorch's approximation)."""
@@ -40,3 +43,6 @@ class InputBNLayer(PlainLayer):
 
     def input_transform(self, x, mask):
         return self.bn(x, mask)
+
+    def eval_input_affine(self):
+        return self.bn.eval_affine()

@@ -22,7 +22,8 @@ from batchrnn.data.corpus import sha256
 from batchrnn.data.features import FeatureSet, collate, make_batches
 from batchrnn.errors import one_line
 from batchrnn.layers import LAYERS
-from batchrnn.layers.base import GATES, KERNELS, fused_recurrence, gather_time, reverse_index, valid_mask
+from batchrnn.layers.base import (GATES, KERNELS, fused_recurrence, reversal_rows, reverse_rows,
+                                  valid_mask)
 from batchrnn.layers.layernorm import inverse_sigma
 from batchrnn.model import ConvFrontEnd, DeepSpeech2
 from batchrnn.storage import atomic_write
@@ -57,6 +58,10 @@ class MaskOnly(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor, channel_dim: int = -1) -> torch.Tensor:
         return x * mask
 
+    def normalize(self, x: torch.Tensor, mask: torch.Tensor, channel_dim: int = -1) -> torch.Tensor:
+        """MaskedBatchNorm.normalize's twin: the conv front end masks what follows it once itself."""
+        return x
+
 
 class FrameScale(nn.Module):
     """ln's one scale per frame of x, 1 / sigma(x) with sigma(x)^2 = x^T M x / K + eps, M = W_c^T W_c."""
@@ -87,13 +92,13 @@ class FoldedLayer(nn.Module):
     def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         mask = valid_mask(lengths, x.shape[0], x.dtype)  # (T, N, 1)
         x = torch.where(mask.bool(), x, 0.0)  # whatever padded frames hold, they contribute nothing
-        rev = reverse_index(lengths, x.shape[0])
+        rev = reversal_rows(lengths, x.shape[0])
         scales = [s(x) for s in self.frame_scales]  # per copy (T, N, 1)
         out = 0
         for d, kernel in enumerate(self.kernels):
             xd = x * scales[min(d, len(scales) - 1)] if scales else x
-            h = self.recurrence(kernel, xd if d == 0 else gather_time(xd, rev))
-            out = out + (h if d == 0 else gather_time(h, rev))  # (T, N, H)
+            h = self.recurrence(kernel, xd if d == 0 else reverse_rows(xd, rev))
+            out = out + (h if d == 0 else reverse_rows(h, rev))  # (T, N, H)
         return out * mask
 
     def recurrence(self, kernel: nn.RNNBase, x: torch.Tensor) -> torch.Tensor:

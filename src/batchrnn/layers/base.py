@@ -32,10 +32,17 @@ def valid_mask(lengths: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.T
 def reversal_rows(lengths: torch.Tensor, steps: int) -> torch.Tensor:
     """(T * N,): for each row of a (T * N, ...) view of a (T, N, ...) batch, the row that reverses its sequence
     within its length; padding stays in place."""
+    batch = lengths.shape[0]  # not len(): a traced export (ONNX) keeps N free
     t = torch.arange(steps, device=lengths.device)[:, None]
-    n = torch.arange(len(lengths), device=lengths.device)
+    n = torch.arange(batch, device=lengths.device)
     lengths = lengths[None, :]
-    return (torch.where(t < lengths, lengths - 1 - t, t) * len(n) + n).flatten()
+    return (torch.where(t < lengths, lengths - 1 - t, t) * batch + n).flatten()
+
+
+def reverse_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x (T, N, ...) with each sequence reversed within its length: rows from reversal_rows (no autograd of its own:
+    Reversal's forward and backward, and the exported eval model, which needs no backward)."""
+    return x.reshape(-1, *x.shape[2:]).index_select(0, rows).view(x.shape)  # -1: a traced export keeps T and N free
 
 
 class Reversal(torch.autograd.Function):
@@ -46,7 +53,7 @@ class Reversal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(rows)
-        return x.reshape(len(rows), *x.shape[2:]).index_select(0, rows).view(x.shape)
+        return reverse_rows(x, rows)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:

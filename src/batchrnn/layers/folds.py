@@ -66,14 +66,14 @@ class QuadraticForm(torch.autograd.Function):
         return grad_x, grad_m
 
 
-def cheaper_route(frames: int, d: int, copies: int, width: int, grams: int = 1) -> str:
+def cheaper_route(frames: int, d: int, copies: int, width: int, grams: int = 1, batch_products: int = 3) -> str:
     """Fewer multiply-adds (forward and backward) for a statistic of W x (copies, width, D) over a batch.
     "gram" goes through D x D products: `grams` of them per frame at 2 D^2 each (BN: E[x x^T], one for
-    every copy; LN: x^T W_c^T W_c x, one per copy), then 2 x copies x width x D^2 per batch (BN: w_k^T S w_k
-    and its backward, a QuadraticForm; LN: the Gram W_c^T W_c and its one-matmul backward); "direct"
+    every copy; LN: x^T W_c^T W_c x, one per copy), then `batch_products` x copies x width x D^2 per batch
+    (BN: w_k^T S w_k and its backward, 3; LN: the Gram W_c^T W_c and its one-matmul backward, 2); "direct"
     computes W x (3 copies x width x D per frame). Long batches favour gram, short ones with a wide input
     direct."""
-    gram = 2 * grams * d * d * frames + 2 * copies * width * d * d
+    gram = 2 * grams * d * d * frames + batch_products * copies * width * d * d
     return "gram" if gram <= 3 * copies * width * d * frames else "direct"
 
 
@@ -90,10 +90,7 @@ def projected_moments(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, rout
     xc = (x - mean_x) * mask  # (frames, D), still zero on padding
     xp = xc.to(dtype or xc.dtype)
     if route == "gram":
-        second_moment = Gram.apply(xp).to(x.dtype) / count  # (D, D)
-        # w_k^T S w_k for every row of W: QuadraticForm's backward reuses the forward's W S, where autograd's
-        # would take a second product of that size (S is symmetric)
-        var = QuadraticForm.apply(w.flatten(0, 1), second_moment[None])[0].view(w.shape[:2])
+        var = ((w @ (Gram.apply(xp).to(x.dtype) / count)) * w).sum(-1)
     else:
         var = torch.einsum("fd,cwd->fcw", xp, w.to(xp.dtype)).to(x.dtype).square().sum(0) / count
     # each rank's part of the variance, (copies, width) whichever route it took (the cheaper one for its frames)

@@ -44,7 +44,7 @@ class LayerNormLayer(ProjectedLayer):
         with torch.autocast(x.device.type, enabled=False):
             xf, wcf = full_precision(x.flatten(0, 1)), full_precision(wc)  # (T*N, D), zero on padding
             xp = xf.to(dtype)
-            if cheaper_route(*xf.shape, *wcf.shape[:2], grams=self.copies) == "gram":
+            if cheaper_route(*xf.shape, *wcf.shape[:2], grams=self.copies, batch_products=2) == "gram":
                 m = Gram.apply(wcf.to(dtype))  # W_c^T W_c per copy, a batch-level product
                 square = QuadraticForm.apply(xp, m).to(xf.dtype)  # (copies, T*N): |W_c x|^2
             else:

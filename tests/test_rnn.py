@@ -457,13 +457,10 @@ def test_route_follows_cost():
     assert cheaper_route(frames=3200, d=256, copies=2, width=768) == "gram"  # long batches
     assert cheaper_route(frames=200, d=512, copies=2, width=1024) == "direct"  # short batch, wide input
     # LN's |W_c x|^2, one D x D product per copy and W_c^T W_c at 2 K D^2: gram once frames x (3 K - 2 D) >= 2 K D
-    assert cheaper_route(frames=1024, d=512, copies=2, width=768, grams=2) == "gram"
-    assert cheaper_route(frames=640, d=512, copies=2, width=768, grams=2) == "gram"
-    assert cheaper_route(frames=512, d=512, copies=2, width=768, grams=2) == "direct"
-    # BN's E[x x^T], one D x D product per frame, and w_k^T S w_k at 2 K D^2 (K = copies x width): gram once
-    # frames x (3 K - 2 D) >= 2 K D, 409.6 frames here (at autograd's 3 K D^2 it was 614.4)
-    assert cheaper_route(frames=410, d=512, copies=2, width=1024) == "gram"
-    assert cheaper_route(frames=409, d=512, copies=2, width=1024) == "direct"
+    assert cheaper_route(frames=1024, d=512, copies=2, width=768, grams=2, batch_products=2) == "gram"
+    assert cheaper_route(frames=640, d=512, copies=2, width=768, grams=2, batch_products=2) == "gram"
+    assert cheaper_route(frames=640, d=512, copies=2, width=768, grams=2) == "direct"  # at BN's 3 K D^2
+    assert cheaper_route(frames=512, d=512, copies=2, width=768, grams=2, batch_products=2) == "direct"
 
 
 @pytest.mark.parametrize("bn", ["seqwise", "ln"])

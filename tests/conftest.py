@@ -1,4 +1,5 @@
 """Shared fixtures: Hydra composition of the real conf/ tree, and one tiny corpus per session."""
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,24 @@ def wandb_env(tmp_path, monkeypatch):
         monkeypatch.setenv("WANDB_BASE_URL", base_url)
 
     return online
+
+
+@contextlib.contextmanager
+def killed_after(epochs: int):
+    """The run trained inside is stopped (KeyboardInterrupt) once its epoch `epochs`' checkpoint is written, as if
+    killed there: its own settings throughout, since a checkpoint of other settings is refused at resume."""
+    from batchrnn.training import loop
+
+    one_epoch = loop.train_epoch
+
+    def train_epoch(run, progress, tracker):
+        if progress.epoch == epochs + 1:
+            raise KeyboardInterrupt
+        return one_epoch(run, progress, tracker)
+
+    loop.train_epoch = train_epoch
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            yield
+    finally:
+        loop.train_epoch = one_epoch

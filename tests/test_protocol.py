@@ -554,6 +554,8 @@ def test_the_patience_stage_needs_the_plateau_schedule(make_config):
         validate(make_config("experiment=smoke", "protocol.lrs=[1e-3]", "protocol.tune_patience=1"))
     with pytest.raises(ConfigError, match="protocol.stage=patience: protocol.tune_patience is 0"):
         validate(make_config("experiment=smoke", "protocol.lrs=[1e-3]", "protocol.stage=patience"))
+    with pytest.raises(ConfigError, match="protocol.reuse_needs_model: seqwize is no model.bn"):
+        validate(make_config("experiment=smoke", "protocol.reuse_needs_model=[none,seqwize]"))
     validate(make_config("experiment=an4_cpu_patience"))
 
 
@@ -561,8 +563,8 @@ def test_the_patience_preset_fixes_six_seeds_and_reuses_the_plateau_study(make_c
     """Its settings are an4_cpu_plateau's but for the protocol's bookkeeping, so a run chosen again has the same
     folder name there (what protocol.reuse_from matches) and is taken, not trained again."""
     p = make_config("experiment=an4_cpu_patience").protocol
-    assert (list(p.tune_seeds), list(p.seeds), p.tune_patience, p.reuse_from) == (
-        [1, 2], [1, 2, 3, 4, 5, 6], 2, "runs/an4_cpu_plateau")
+    assert (list(p.tune_seeds), list(p.seeds), p.tune_patience, p.reuse_from, list(p.reuse_needs_model)) == (
+        [1, 2], [1, 2, 3, 4, 5, 6], 2, "runs/an4_cpu_plateau", ["none", "seqwise", "ln"])
     same = ("model.rnn=lstm", "model.bn=seqwise", "train.lr=4e-3", "seed=5", "train.spec_augment.enabled=false")
     assert (run_name(to_container(make_config("experiment=an4_cpu_patience", *same)))
             == run_name(to_container(make_config("experiment=an4_cpu_plateau", *same))))

@@ -11,6 +11,7 @@ from batchrnn.training.augment import SpecAugment
 from batchrnn.training.loop import Progress, train
 from batchrnn.training.rundir import RESULTS
 from batchrnn.validation import validate
+from conftest import killed_after
 
 PLATEAU = dict(schedule="plateau", plateau_wait=1, plateau_factor=0.5, plateau_min_cuts=1, plateau_floor=0.1,
                plateau_hold_blank=True, patience=3, patience_loss_drop=0.02, warmup_steps=0, epochs=100, lr_gamma=0.9)
@@ -99,8 +100,8 @@ def test_resume_in_the_middle_of_a_plateau_is_the_uninterrupted_run(make_config,
     rates = [e["lr"] for e in whole["epochs"]]
     assert min(rates) < max(rates), f"the rate was never cut, so this proves nothing: {rates}"
     part = tmp_path / "part"
-    train(smoke("train.epochs=2"), part)
-    (part / RESULTS).unlink()  # as if killed after epoch 2's checkpoint
+    with killed_after(2):
+        train(smoke("train.epochs=4"), part)
     resumed = train(smoke("train.epochs=4"), part)
     for key in ("train_loss", "val_loss", "lr"):
         assert [e[key] for e in resumed["epochs"]] == pytest.approx([e[key] for e in whole["epochs"]]), key

@@ -10,9 +10,8 @@ from batchrnn.layers import cpu_gru
 from batchrnn.training.checkpoint import load_model
 from batchrnn.metrics import error_rates
 from batchrnn.training.rundir import BEST, CHECKPOINT, LOG, RESULTS, RunFolder
-from batchrnn.training import loop
 from batchrnn.training.loop import code_commit, train
-from conftest import ROOT
+from conftest import ROOT, killed_after
 from wandb_offline import read_offline_run
 
 FINAL_KEYS = {"test_wer", "test_cer", "best_val_wer", "epoch_time_s", "peak_mem_mb", "params", "device",
@@ -57,20 +56,11 @@ def test_training_learns_the_generated_corpus(smoke, tmp_path):
     assert still["best_val_wer"] > 0.9
 
 
-def test_resumed_run_equals_uninterrupted_run(smoke, tmp_path, monkeypatch):
+def test_resumed_run_equals_uninterrupted_run(smoke, tmp_path):
     whole = train(smoke("train.epochs=3"), tmp_path / "whole")
     part = tmp_path / "part"
-    one_epoch = loop.train_epoch
-
-    def train_epoch(run, progress, tracker):  # as if killed after epoch 1's checkpoint, before the run finished
-        if progress.epoch == 2:
-            raise KeyboardInterrupt
-        return one_epoch(run, progress, tracker)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(loop, "train_epoch", train_epoch)
-        with pytest.raises(KeyboardInterrupt):
-            train(smoke("train.epochs=3"), part)
+    with killed_after(1):  # after epoch 1's checkpoint, before the run finished
+        train(smoke("train.epochs=3"), part)
     resumed = train(smoke("train.epochs=3"), part)
     assert [e["train_loss"] for e in resumed["epochs"]] == pytest.approx([e["train_loss"] for e in whole["epochs"]])
     assert resumed["test_wer"] == pytest.approx(whole["test_wer"])
@@ -105,6 +95,14 @@ def test_a_finished_run_of_another_study_with_the_same_settings_is_taken_not_ret
     other = train(smoke("study=depth", "train.lr=0.01", f"protocol.reuse_from={tmp_path / 'grid'}"),
                   tmp_path / "other" / "run")
     assert "reused_from" not in other and (tmp_path / "other" / "run" / CHECKPOINT).exists()
+    # a placement that must keep its model (protocol.reuse_needs_model) is trained here once its best.pt is gone
+    (tmp_path / "grid" / "run" / BEST).unlink()
+    needs = f"protocol.reuse_needs_model=[{taken['config']['model']['bn']}]"
+    again = train(smoke("study=depth", f"protocol.reuse_from={tmp_path / 'grid'}", needs), tmp_path / "lm" / "run")
+    assert "reused_from" not in again and (tmp_path / "lm" / "run" / BEST).exists()
+    kept = train(smoke("study=depth", f"protocol.reuse_from={tmp_path / 'grid'}", "protocol.reuse_needs_model=[rbn]"),
+                 tmp_path / "other_bn" / "run")
+    assert kept["reused_from"] == str(tmp_path / "grid" / "run"), "another placement is taken without its best.pt"
 
 
 def test_wandb_offline_run_holds_the_logged_metrics(smoke, tmp_path):

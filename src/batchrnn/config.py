@@ -278,6 +278,10 @@ class ProtocolConfig:
     # A study folder whose finished runs this study takes instead of training them again, where a run's
     # settings are the same (its folder name is): the depth study's 3-layer runs are the grid's. "": none.
     reuse_from: str = ""
+    # model.bn placements whose runs are taken from reuse_from only with their best.pt, so that they can be decoded
+    # (with the word LM, decode.decoder=beam); without it they train here. The patience study's LM family holds
+    # its headline comparisons (none, seqwise, ln) though the converged runs' models are gone. []: any run.
+    reuse_needs_model: list[str] = field(default_factory=list)
     # SpecAugment as a tuning dimension beside the rate, by coordinate search: stage augment trains each
     # variant's tune_seeds once more at its chosen rate with SpecAugment off (train.spec_augment.enabled=false),
     # and the variant keeps whichever of on and off has the lower mean best validation WER (ties: on).

@@ -1,7 +1,7 @@
 """The checks the schema's types cannot express, run before any work starts (ConfigError names the setting)."""
 from omegaconf import DictConfig, OmegaConf
 
-from batchrnn.config import BadText, Config, ConfigError, CorpusName, Schedule, Stage, check_known_keys
+from batchrnn.config import BadText, BNMode, Config, ConfigError, CorpusName, Schedule, Stage, check_known_keys
 
 
 def validate(cfg: Config | DictConfig) -> None:
@@ -77,6 +77,9 @@ def validate(cfg: Config | DictConfig) -> None:
         raise ConfigError(f"protocol.widen={p.widen}: must be 0 (never) or more")
     if p.tune_patience < 0:
         raise ConfigError(f"protocol.tune_patience={p.tune_patience}: must be 0 (never) or more")
+    if unknown := [bn for bn in p.reuse_needs_model if bn not in {b.value for b in BNMode}]:
+        raise ConfigError(f"protocol.reuse_needs_model: {', '.join(map(str, unknown))} is no model.bn; give placements "
+                          f"among {', '.join(b.value for b in BNMode)}")
     if p.tune_patience and (Schedule(t.schedule) is not Schedule.plateau or not t.patience):
         raise ConfigError("protocol.tune_patience: the patience stage doubles the plateau schedule's waits, so it needs "
                           "train.schedule=plateau and train.patience > 0; set both, or protocol.tune_patience=0")

@@ -149,6 +149,10 @@ class RunFolder:
             return False
         if (found := finished_run(source, config)) is None:  # none there, unreadable, or not it: train here
             return False
+        if config["model"]["bn"] in config["protocol"].get("reuse_needs_model", []) and not (source / BEST).exists():
+            log.info("%s: the finished run %s has no %s, which protocol.reuse_needs_model asks of model.bn=%s; "
+                     "trained here", self.path, source, BEST, config["model"]["bn"])
+            return False
         if (source / BEST).exists():
             atomic_write(self.file(BEST), lambda tmp: shutil.copyfile(source / BEST, tmp))
         if (source / LOG).exists():  # in place, not replaced: the run's log handler (logging()) has it open and

@@ -14,7 +14,8 @@ import torch
 from batchrnn.config import ConfigError, DataConfig, DecodeConfig, Decoder
 from batchrnn.data.base import Corpus, DataError
 from batchrnn.data.text import BLANK, INDEX, LABELS, TranscriptError, normalize
-from batchrnn.decoding.lm import UNK, KneserNey, build, sha256
+from batchrnn.data.corpus import sha256
+from batchrnn.decoding.lm import UNK, KneserNey, build
 from batchrnn.errors import one_line
 
 WORD_BREAK = "|"  # flashlight's silence token stands for the alphabet's space

@@ -128,14 +128,6 @@ class KneserNey:
         return "\n".join([*lines, "", "\\end\\", ""])
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def build(sentences: list[str], folder: Path) -> Path:
     """The KN 3-gram of these sentences as <folder>/kn3-<sha256 of its ARPA text, 16 digits>.arpa, written once:
     the same text gives the same file, which is how results.json and the report name it."""

@@ -11,10 +11,9 @@ from pathlib import Path
 import torch
 
 from batchrnn.config import DataConfig, DecodeConfig, TrainConfig
-from batchrnn.data.corpus import prepare_corpus
+from batchrnn.data.corpus import prepare_corpus, sha256
 from batchrnn.data.features import FeatureSet, collate, load_features, make_batches
 from batchrnn.decoding.beam import BeamSearch, check, language_model
-from batchrnn.decoding.lm import sha256
 from batchrnn.metrics import error_rates
 from batchrnn.progress import progress_bar
 from batchrnn.storage import write_json

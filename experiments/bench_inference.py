@@ -5,6 +5,7 @@ four ways, each way's variants timed interleaved in one process (as bench_rnn.py
     python experiments/bench_inference.py --data-root /work/main/data              # both sizes, the lead's run
     python experiments/bench_inference.py --data-root data --sizes an4_cpu_plateau --rnn gru
     python experiments/bench_inference.py --quick --data-root data                  # a minute: checks the script
+    python experiments/bench_inference.py --data-root data --sizes an4_cpu_plateau --json inference.jsonl
 
 The four ways (the first only for ln_full, rbn, which do not fold):
 - eval: the training model (DeepSpeech2) in eval mode, on the harness's kernels;
@@ -20,6 +21,9 @@ Peak memory: the weights plus the most a pass adds to the process's resident mem
 before each measured pass), for torch and onnxruntime alike.
 
 Prints one table per size, rnn, batch and thread count as each is done, each followed by one JSON line per row.
+--json PATH also writes those rows to PATH, one JSON object a line, each with the environment added: machine (host,
+CPU model from /proc/cpuinfo, boot, as results.json's), cpus (os.cpu_count()), torch, onnxruntime and date (the
+run's start). `python -m batchrnn.report SWEEP --inference PATH` puts them beside a study's results.
 """
 import argparse
 import itertools
@@ -47,6 +51,7 @@ from batchrnn.data.features import Featurizer, make_batches  # noqa: E402
 from batchrnn.layers import backend, cpu_gru  # noqa: E402
 from batchrnn.model import DeepSpeech2  # noqa: E402
 from batchrnn.training.checkpoint import ALPHABET, typed  # noqa: E402
+from batchrnn.training.device import machine  # noqa: E402
 
 WAYS = ("eval", "folded", "torch", "onnx")
 SIZES = ("an4_cpu_plateau", "an4_gpu")  # 3 layers of 256 (the CPU study's), 5 of 1024 (DS2's)
@@ -217,19 +222,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=0, help="override the size's layer count (0: the experiment's)")
     quick = ", ".join(f"--{k} {v}" for k, v in QUICK.items())
     p.add_argument("--quick", action="store_true", help=f"a tiny run to check the script: {quick}")
+    p.add_argument("--json", type=Path, help="also write the rows, with the machine and versions, to this file")
     args = p.parse_args(argv)
     if args.quick:
         p.set_defaults(**QUICK)
         args = p.parse_args(argv)
     import onnxruntime
 
-    print(f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, CPU GRU kernel "
-          f"{cpu_gru.kernel_name()}, {os.cpu_count()} CPUs", flush=True)
-    for size, rnn in itertools.product(args.sizes.split(","), args.rnn.split(",")):
-        for rows in bench(size, rnn, args):
-            table(rows)
-            for r in rows:
-                print(json.dumps(r), flush=True)
+    env = {"machine": machine(torch.device("cpu")), "cpus": os.cpu_count(), "torch": torch.__version__,
+           "onnxruntime": onnxruntime.__version__, "date": time.strftime("%Y-%m-%d %H:%M %Z")}
+    print(f"torch {env['torch']}, onnxruntime {env['onnxruntime']}, CPU GRU kernel {cpu_gru.kernel_name()}, "
+          f"{env['cpus']} CPUs", flush=True)
+    with open(args.json or os.devnull, "w") as saved:  # without --json, a stand-in that keeps nothing
+        for size, rnn in itertools.product(args.sizes.split(","), args.rnn.split(",")):
+            for rows in bench(size, rnn, args):
+                table(rows)
+                for r in rows:
+                    print(json.dumps(r), flush=True)
+                    saved.write(json.dumps(r | env) + "\n")
+                saved.flush()  # a long run's file holds what is done
 
 
 if __name__ == "__main__":

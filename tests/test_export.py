@@ -2,6 +2,7 @@
 refusals; the ONNX round trip; `python -m batchrnn.evaluate export` and `transcribe` with an export."""
 import importlib.util
 import json
+import os
 
 import pytest
 import soundfile as sf
@@ -218,15 +219,20 @@ def test_harness_kernels_run_onednn(monkeypatch):
     assert len(calls) == 3 * 2  # every layer, both directions
 
 
-def test_inference_bench_times_every_variant_every_way(smoke_root, capsys):
+def test_inference_bench_times_every_variant_every_way(smoke_root, capsys, tmp_path):
     """experiments/bench_inference.py on the smoke corpus and model: a row per variant and way (eval alone for
-    those that do not fold), each with a time and a memory, none's ratios 1."""
+    those that do not fold), each with a time and a memory, none's ratios 1; --json writes the same rows with the
+    machine and versions (the report's --inference reads them)."""
     spec = importlib.util.spec_from_file_location("bench_inference", ROOT / "experiments" / "bench_inference.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     bench.main(["--data-root", str(smoke_root), "--sizes", "smoke", "--rnn", "lstm", "--batch", "4",
-                "--threads", "1", "--rounds", "1", "--warmup", "0", "--utterances", "4"])
+                "--threads", "1", "--rounds", "1", "--warmup", "0", "--utterances", "4", "--json", str(tmp_path / "b")])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    saved = [json.loads(line) for line in (tmp_path / "b").read_text().splitlines()]
+    env = {"machine", "cpus", "torch", "onnxruntime", "date"}
+    assert [{k: v for k, v in r.items() if k not in env} for r in saved] == rows
+    assert all(r["cpus"] == os.cpu_count() and r["torch"] == torch.__version__ and ": " in r["machine"] for r in saved)
     assert sorted((r["bn"], r["way"]) for r in rows) == sorted(
         [(bn, way) for bn in FOLDED for way in bench.WAYS] + [("ln_full", "eval"), ("rbn", "eval")])
     assert all(r["rtf"] > 0 and r["peak_mb"] > 0 and r["utterances"] == 4 for r in rows), rows

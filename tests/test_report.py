@@ -903,3 +903,72 @@ def test_against_names_the_patience_each_study_chose():
     row = {"lr": 2e-3, "settings": {"train.spec_augment.enabled": True, "train.plateau_wait": 6, "train.patience": 12}}
     assert chosen(row) == "lr 0.002, SpecAugment on, patience 6/12"
     assert chosen({"lr": 2e-3, "settings": {}}) == "lr 0.002"  # neither tuned
+
+
+MACHINE = "host: AMD EPYC 9B14 (boot 1234abcd)"
+
+
+def bench_file(path, rows: list[tuple]) -> str:
+    """experiments/bench_inference.py --json's file: a line per (rnn, bn, way, time_ratio[, batch, threads, layers,
+    hidden]), batch 1, 1 thread, 3 x 256 (the schema's size, the fake runs') unless given."""
+    lines = []
+    for rnn, bn, way, ratio, *rest in rows:
+        batch, threads, layers, hidden = rest + [1, 1, 3, 256][len(rest):]
+        lines.append(json.dumps({"size": "an4_cpu_plateau", "layers": layers, "hidden": hidden, "rnn": rnn, "bn": bn,
+                                 "backend": "fused", "way": way, "batch": batch, "threads": threads, "seconds": 1.0,
+                                 "rtf": 0.003, "time_ratio": ratio, "peak_mb": 65.0, "mem_ratio": 1.0, "audio_s": 357.0,
+                                 "utterances": 130, "rounds": 10, "machine": MACHINE, "cpus": 2, "torch": "2.11.0",
+                                 "onnxruntime": "1.32.0", "date": "2026-12-07 02:38 UTC"}))
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_the_results_table_gains_each_variants_cost_to_serve_from_the_inference_bench(sweep, tmp_path):
+    """--inference: each row's time over none's from the bench rows of its rnn and size, at batch 1 on 1 thread
+    where the file has them (its first configuration is another); the folded model where the variant folds (what
+    one ships), else the eval-mode one, marked; – where the file has no row of that variant, size or configuration."""
+    bench = bench_file(tmp_path / "inference.jsonl", [
+        ("gru", "post", "folded", 1.5, 16, 2),  # the file's first configuration, not the server's
+        ("gru", "none", "eval", 1.0), ("gru", "none", "folded", 1.0),
+        ("gru", "post", "eval", 1.3), ("gru", "post", "folded", 1.02),  # folds: the folded ratio
+        ("gru", "seqwise", "eval", 1.4),  # no folded row: eval's, marked
+        ("gru", "seqwise", "folded", 9.0, 1, 1, 5, 1024),  # another size
+        ("lstm", "none", "folded", 1.0), ("lstm", "seqwise", "folded", 0.98, 16, 2)])  # lstm-post: none at all
+    main([str(sweep), "--out", str(tmp_path / "out"), "--inference", bench])
+    text = (tmp_path / "out" / "report.md").read_text()
+    table = section(text, "Quality at convergence")
+    assert table.split("\n| ")[1].split(" | ")[11:14] == ["mem × none", "serve × none", "params"]
+    assert [(r[0], r[1], r[12]) for r in table_rows(table)] == [
+        ("gru", "none", "1.00"), ("gru", "post", "1.02"), ("gru", "seqwise", "1.40 (eval)"),
+        ("lstm", "none", "1.00"), ("lstm", "post", "–"), ("lstm", "seqwise", "–")]
+    assert f"from experiments/bench_inference.py's `{bench}`" in table
+    assert f"Measured at batch 1 on 1 thread, on {MACHINE}, 2 CPUs, torch 2.11.0, onnxruntime 1.32.0, 2026-12" in table
+    data = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert [(r["label"], r["serve_ratio"], r["serve_way"]) for r in data["rows"]] == [
+        ("gru-none", 1.0, "folded"), ("gru-post", 1.02, "folded"), ("gru-seqwise", 1.4, "eval"),
+        ("lstm-none", 1.0, "folded"), ("lstm-post", None, None), ("lstm-seqwise", None, None)]
+    assert data["inference"]["file"] == bench and (data["inference"]["batch"], data["inference"]["threads"]) == (1, 1)
+
+
+def test_an_inference_file_that_does_not_fit_the_runs_is_one_clear_error(tmp_path, capsys):
+    """Without batch 1 on 1 thread the file's first configuration; a file of another model size, unparsable or
+    missing: an `error:` line that names the fix, exit 2, and nothing written."""
+    write(tmp_path / "sweep", "one", fake_result("gru", "none", 0))
+    main([str(tmp_path / "sweep"), "--out", str(tmp_path / "ok"), "--inference",
+          bench_file(tmp_path / "batched.jsonl", [("gru", "none", "folded", 1.0, 16, 2)])])
+    ok = (tmp_path / "ok" / "report.md").read_text()
+    assert table_rows(section(ok, "Quality at convergence"))[0][12] == "1.00"
+    assert "Measured at batch 16 on 2 threads, on" in ok
+    (tmp_path / "broken.jsonl").write_text('{"layers": 3, "hidden"\n')
+    for name, rows, message in (
+            ("gpu.jsonl", [("gru", "none", "folded", 1.0, 1, 1, 5, 1024)],
+             "no row of the runs' model size (3 x 256); the file has 5 x 1024; run python "
+             "experiments/bench_inference.py --json"),
+            ("broken.jsonl", None, "line 1 is no bench row"),
+            ("missing.jsonl", None, "no such file; write it with python experiments/bench_inference.py --json")):
+        path = bench_file(tmp_path / name, rows) if rows else str(tmp_path / name)
+        with pytest.raises(SystemExit) as stop:
+            main([str(tmp_path / "sweep"), "--out", str(tmp_path / "bad"), "--inference", path])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.startswith(f"error: --inference {path}: ") and message in err, err
+        assert err.count("\n") == 1 and not (tmp_path / "bad").exists()

@@ -1,5 +1,5 @@
-"""python -m batchrnn.report SWEEP_DIR [--out DIR] [--only SETTING=V1,V2 ...] [--against EARLIER_DIR] [--wandb]:
-report.md, report.json and the plots (and against.md)."""
+"""python -m batchrnn.report SWEEP_DIR [--out DIR] [--only SETTING=V1,V2 ...] [--against EARLIER_DIR]
+[--inference BENCH_JSON] [--wandb]: report.md, report.json and the plots (and against.md)."""
 import argparse
 import logging
 import sys
@@ -7,6 +7,7 @@ from pathlib import Path
 
 from batchrnn.config import LoggerMode
 from batchrnn.study.report import write_report
+from batchrnn.study.report.serving import BenchError
 from batchrnn.study.report.summary import FilterError
 
 
@@ -22,6 +23,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="an earlier study's folder of the same variants (e.g. one under another schedule): "
                              "also write against.md, each variant's and each comparison's verdict in both, and "
                              "which held")
+    parser.add_argument("--inference", type=Path, metavar="BENCH_JSON",
+                        help="experiments/bench_inference.py --json's file: the results table gains each row's "
+                             "inference time over none's (serve × none) at the runs' model size")
     parser.add_argument("--wandb", action="store_true",
                         help="also log the tables and plots as a W&B run of job_type report in the study's "
                              "group (online with an API key, else offline under OUT/wandb-report)")
@@ -35,8 +39,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(format="warning: %(message)s", level=logging.WARNING)
     try:
         path = write_report(args.sweep_dir, args.out, LoggerMode.auto if args.wandb else None, only,
-                            args.against)
-    except (FileNotFoundError, FilterError) as e:
+                            args.against, args.inference)
+    except (FileNotFoundError, FilterError, BenchError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)  # as the trainer and the other entry points exit on a problem the user can fix
     print(f"wrote {path}")

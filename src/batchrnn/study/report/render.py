@@ -245,8 +245,9 @@ def seeds_cell(row: dict, of: str = "n") -> str:
 
 def results_table(summary: Summary) -> list[str]:
     head = identity_head(summary)
+    serving = summary.inference is not None
     columns = head + ["n", "test WER %", "test CER %", "best val WER %", "train loss", "epoch time s", "peak mem MB",
-                      "time × none", "mem × none", "params", "ΔWER vs none [95% CI]"]
+                      "time × none", "mem × none", *["serve × none"] * serving, "params", "ΔWER vs none [95% CI]"]
     best = {}  # the best test WER of each group, in bold: placements are compared within a group
     for row in summary.rows:
         if not math.isnan(row["test_wer"]) and row["test_wer"] < best.get(row["group"], math.inf):
@@ -258,10 +259,11 @@ def results_table(summary: Summary) -> list[str]:
             seeds_cell(row),
             f"**{wer}**" if row["test_wer"] == best.get(row["group"]) else wer, fmt(row, "test_cer", 100),
             fmt(row, "best_val_wer", 100), fmt(row, "train_loss_at_best", digits=2), fmt(row, "epoch_time_s"),
-            fmt(row, "peak_mem_mb", digits=0),
-            fmt(row, "time_ratio", digits=2), fmt(row, "mem_ratio", digits=2), fmt(row, "params", digits=0),
-            vs_none(row)]
+            fmt(row, "peak_mem_mb", digits=0), fmt(row, "time_ratio", digits=2), fmt(row, "mem_ratio", digits=2),
+            *([serve_cell(row)] if serving else []), fmt(row, "params", digits=0), vs_none(row)]
         lines.append("| " + " | ".join(cells) + " |")
+    if serving:
+        lines += ["", serve_note(summary.inference)]
     if summary.failed:
         lines += ["", "Every seed diverged, so in no table: " + ", ".join(summary.failed) + "."]
     if summary.drift:
@@ -272,6 +274,22 @@ def results_table(summary: Summary) -> list[str]:
                   "when a run ran with the variant's cost, in every row (seeds that all ran in one slow spell agree, "
                   "so no row is known to be clean); the cost is `make bench`'s (docs/report.md)."]
     return lines
+
+
+def serve_cell(row: dict) -> str:
+    """The inference bench's time ratio to none (serving.attach), "(eval)" where the variant does not fold."""
+    if row["serve_ratio"] is None:
+        return "–"
+    return f"{row['serve_ratio']:.2f}" + (" (eval)" if row["serve_way"] == "eval" else "")
+
+
+def serve_note(i: dict) -> str:
+    return (f"serve × none: the time to transcribe the test set over `none`'s of the same rnn and size, from "
+            f"experiments/bench_inference.py's `{i['file']}`: the folded model each variant ships, or, marked (eval), "
+            "the eval-mode model of a variant that does not fold, over `none`'s in the same way. Measured at batch "
+            f"{i['batch']} on {i['threads']} thread{'s' * (i['threads'] != 1)}, on {i['machine']}, {i['cpus']} CPUs, "
+            f"torch {i['torch']}, onnxruntime {i['onnxruntime']}, {i['date']}. –: no bench row of that variant and "
+            "size.")
 
 
 def capped_note(c: dict) -> str:
@@ -462,7 +480,8 @@ def as_json(summary: Summary, plots: list[str]) -> dict:
         "splits": splits(summary) if summary.rows else None, "plots": plots,
         "rows": [public(r) for r in summary.rows], "comparisons": [public(c) for c in summary.comparisons],
         **({"lm": summary.lm | {"significance": significance(summary, summary.lm["comparisons"],
-                                                             "LM head-to-head table")}} if summary.lm else {})})
+                                                             "LM head-to-head table")}} if summary.lm else {}),
+        **({"inference": summary.inference} if summary.inference else {})})
 
 
 def public(d: dict) -> dict:

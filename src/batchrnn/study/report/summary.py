@@ -77,6 +77,9 @@ class Summary:
     # Decoded with the word LM as well (results.json's `lm`, batchrnn.decoding): a second family of comparisons,
     # Holm-corrected on its own, over the rows whose every seed was decoded; None when no run was (lm_family).
     lm: dict | None = None
+    # With the inference bench's file (`--inference`, batchrnn.study.report.serving): its configuration, machine and
+    # path; each row then has serve_ratio and serve_way. None without it.
+    inference: dict | None = None
 
 
 def build(sweep_dir: Path, now: float | None = None, only: dict[str, list[str]] | None = None) -> Summary:

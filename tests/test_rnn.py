@@ -507,6 +507,43 @@ def test_masked_batchnorm_is_batchnorm1d_on_unpadded_input(momentum):
     assert ours.num_batches_tracked == 3
 
 
+def test_masked_bn_hardtanh_is_the_operations_it_fuses():
+    """The conv front end's training step (MaskedBatchNorm.hardtanh: one autograd function, its backward written
+    out) against the same operations one by one under autograd, in float64 on a padded batch whose values reach
+    both of Hardtanh's edges: the same output, the same running averages, and the same gradients of x, the gain
+    and the shift; the padding gets no gradient. Then torch's gradcheck of the function itself."""
+    from batchrnn.layers.folds import MaskedBNHardtanh
+
+    torch.manual_seed(0)
+    lengths = torch.tensor([9, 5, 2])
+    x = (torch.randn(3, 4, 6, 9, dtype=torch.float64) * 6 + 2).requires_grad_()  # (N, C, F, T), conv-shaped
+    mask = (torch.arange(9)[None, :] < lengths[:, None]).to(x.dtype)[:, None, None, :]
+    weight = torch.randn(3, 4, 6, 9, dtype=torch.float64)
+    results = []
+    for fused in (False, True):
+        bn = MaskedBatchNorm(4).double()
+        torch.manual_seed(1)  # the same gain and shift both times
+        with torch.no_grad():
+            bn.weight.uniform_(2, 8)  # wide enough that BN(x) crosses 0 and 5
+            bn.bias.uniform_(0, 5)
+        x.grad = None
+        if fused:
+            y = bn.hardtanh(x, mask, 0.0, 5.0, channel_dim=1)
+        else:
+            y = nn.functional.hardtanh(bn.normalize(x, mask, channel_dim=1), 0.0, 5.0) * mask
+        (y * weight).sum().backward()
+        results.append((y.detach(), x.grad, bn.weight.grad, bn.bias.grad, bn.running_mean, bn.running_var))
+    (clipped_low, clipped_high) = ((results[0][0] == 0) & (mask > 0)).sum(), (results[0][0] == 5).sum()
+    assert clipped_low > 0 and clipped_high > 0, "the batch must reach both edges"
+    for name, ours, theirs in zip(("y", "x.grad", "weight.grad", "bias.grad", "running_mean", "running_var"),
+                                  results[1], results[0]):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12, msg=name)
+    assert results[1][1][2, :, :, 2:].abs().sum() == 0, "padding must receive no gradient"
+    gain, shift = torch.rand(4, dtype=torch.float64) + 2, torch.rand(4, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda x, w, b: MaskedBNHardtanh.apply(x, mask, w, b, 1e-5, 0.0, 5.0, 1)[0],
+                                    (x.detach().requires_grad_(), gain.requires_grad_(), shift.requires_grad_()))
+
+
 def test_sync_batchnorm_conversion_leaves_masked_batchnorm_alone():
     m = nn.SyncBatchNorm.convert_sync_batchnorm(layer("gru", "post"))  # it would drop the mask
     assert type(m.bn) is MaskedBatchNorm

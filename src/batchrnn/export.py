@@ -58,9 +58,10 @@ class MaskOnly(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor, channel_dim: int = -1) -> torch.Tensor:
         return x * mask
 
-    def normalize(self, x: torch.Tensor, mask: torch.Tensor, channel_dim: int = -1) -> torch.Tensor:
-        """MaskedBatchNorm.normalize's twin: the conv front end masks what follows it once itself."""
-        return x
+    def hardtanh(self, x: torch.Tensor, mask: torch.Tensor, lo: float, hi: float,
+                 channel_dim: int = -1) -> torch.Tensor:
+        """MaskedBatchNorm.hardtanh's twin: Hardtanh(lo, hi), padding zeroed."""
+        return nn.functional.hardtanh(x, lo, hi) * mask
 
 
 class FrameScale(nn.Module):

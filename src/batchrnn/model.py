@@ -65,8 +65,7 @@ class ConvFrontEnd(nn.Module):
             x = conv(x)
             lengths = conv_output_length(lengths, conv.kernel_size[1], conv.stride[1])
             mask = self.time_mask(lengths, x.shape[-1])
-            # BN, then Hardtanh(0, 20) (one pass each way, where clamp's backward takes four), padding zeroed once
-            x = nn.functional.hardtanh(norm.normalize(x, mask, channel_dim=1), 0.0, 20.0) * mask
+            x = norm.hardtanh(x, mask, 0.0, 20.0, channel_dim=1)  # BN, then Hardtanh(0, 20), padding zeroed once
         n, c, f, t = x.shape
         return x.permute(3, 0, 1, 2).reshape(t, n, c * f), lengths  # (T', N, C*F')
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from batchrnn.layers.base import full_precision
-from batchrnn.training.distributed import all_sum
+from batchrnn.training.distributed import all_sum, ghosting
 
 
 def masked_moments(x: torch.Tensor, mask: torch.Tensor, channel_dim: int):
@@ -20,6 +20,53 @@ def masked_moments(x: torch.Tensor, mask: torch.Tensor, channel_dim: int):
     mean = total / count
     (var,) = all_sum(((x - mean).square() * mask).sum(dims, keepdim=True) / count)
     return mean.flatten(), var.flatten(), count
+
+
+class MaskedBNHardtanh(torch.autograd.Function):
+    """Training's BatchNorm over valid positions, then Hardtanh(lo, hi), padding zeroed: the conv front end's
+    step, with the backward written out (BatchNorm's closed form), where autograd would differentiate each of
+    the moments' and the affine map's elementwise passes over the model's largest tensors in turn. The forward
+    computes what masked_moments and MaskedBatchNorm.normalize compute, value for value; the backward is the
+    same gradient, rounded in another order. Data-parallel: the batch-level sums of the backward are summed
+    over the ranks (one all-reduce), as autograd of all_sum would; a rank running a stand-in (ghost) passes
+    no gradient to x. Returns y and the batch's mean and biased variance (no gradient: the running averages')."""
+
+    @staticmethod
+    def forward(ctx, x, mask, weight, bias, eps: float, lo: float, hi: float, channel_dim: int):
+        dims = [d for d in range(x.dim()) if d != channel_dim % x.dim()]
+        shape = [1] * x.dim()
+        shape[channel_dim] = -1
+        count = mask.sum() * math.prod(x.shape[d] for d in dims if mask.shape[d] == 1)
+        total, count = all_sum((x * mask).sum(dims, keepdim=True), count)
+        mean = total / count
+        # (x - mean) * mask value for value, in one pass: x * 1 - mean, or 0 + -0
+        centred = torch.addcmul(mask * -mean, x, mask)
+        (var,) = all_sum(centred.square().sum(dims, keepdim=True) / count)  # masked_moments' variance, as computed
+        mean, var = mean.flatten(), var.flatten()
+        inv_std = torch.rsqrt(var + eps)
+        scale = weight * inv_std
+        # MaskedBatchNorm.normalize's x * scale + shift, then Hardtanh and the mask in place (no new tensors)
+        y = torch.addcmul((bias - mean * scale).view(shape), x, scale.view(shape)).clamp_(lo, hi).mul_(mask)
+        ctx.save_for_backward(centred, y, mask, inv_std, scale, count)  # lo < y < hi where lo < BN(x) < hi
+        ctx.shape, ctx.dims, ctx.lo, ctx.hi, ctx.ghost = shape, dims, lo, hi, ghosting()
+        ctx.mark_non_differentiable(mean, var, count)
+        return y, mean, var, count
+
+    @staticmethod
+    def backward(ctx, grad_y, _mean, _var, _count):
+        centred, y, mask, inv_std, scale, count = ctx.saved_tensors
+        shape, dims = ctx.shape, ctx.dims
+        g = torch.ops.aten.hardtanh_backward(grad_y * mask, y, ctx.lo, ctx.hi)  # dL/dBN(x), 0 on padding
+        sum_g = g.sum(dims)
+        sum_gc = (g * centred).sum(dims)  # sum of g (x - mean) over valid positions
+        grad_bias, grad_weight = sum_g, sum_gc * inv_std  # this rank's: DDP sums the parameters' gradients
+        # x's gradient through the moments needs every rank's sums, as the moments did
+        total_g, total_gc = all_sum(sum_g, sum_gc)
+        grad_x = g.mul_(scale.view(shape)).addcmul_(mask, (-scale * total_g / count).view(shape))
+        grad_x = grad_x.addcmul_(centred, (-scale * inv_std.square() * total_gc / count).view(shape))
+        if ctx.ghost:
+            grad_x = grad_x * 0
+        return grad_x, None, grad_weight, grad_bias, None, None, None, None
 
 
 class Gram(torch.autograd.Function):
@@ -157,6 +204,19 @@ class MaskedBatchNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, channel_dim: int = -1) -> torch.Tensor:
         return self.normalize(x, mask, channel_dim) * mask
+
+    def hardtanh(self, x: torch.Tensor, mask: torch.Tensor, lo: float, hi: float,
+                 channel_dim: int = -1) -> torch.Tensor:
+        """Hardtanh(lo, hi) of this BN of x, padding zeroed: the conv front end's step. In training with float32 or
+        float64 x, one autograd function (MaskedBNHardtanh) whose backward takes a few passes over x, where
+        autograd's of the same operations takes about twice as many; otherwise (eval, autocast) the same
+        operations one by one."""
+        if self.training and x.dtype in (torch.float32, torch.float64) and mask.dtype == x.dtype:
+            y, mean, var, count = MaskedBNHardtanh.apply(x, mask, self.weight, self.bias, self.eps, lo, hi,
+                                                         channel_dim)
+            self.fold(mean, var, count)  # the running averages' step
+            return y
+        return nn.functional.hardtanh(self.normalize(x, mask, channel_dim), lo, hi) * mask
 
     def normalize(self, x: torch.Tensor, mask: torch.Tensor, channel_dim: int = -1) -> torch.Tensor:
         """BN of x with the statistics of its valid positions, its padded ones left unmasked: for a caller that

@@ -154,6 +154,11 @@ def ghost(on: bool):
         _ghost = False
 
 
+def ghosting() -> bool:
+    """Whether this rank runs a stand-in now (ghost): a custom backward through all_sum's moments passes x nothing."""
+    return _ghost
+
+
 def all_sum(*tensors: torch.Tensor) -> list[torch.Tensor]:
     """Each tensor summed over the ranks, in one all-reduce; differentiable (the backward all-reduces the gradient,
     so the backward through synchronised moments is one process's too). With one process, the tensors as given."""

@@ -21,6 +21,8 @@ Peak memory: the weights plus the most a pass adds to the process's resident mem
 before each measured pass), for torch and onnxruntime alike.
 
 Prints one table per size, rnn, batch and thread count as each is done, each followed by one JSON line per row.
+Each table ends with "none (2nd)", a second `none` model of another initialisation timed like the others: how far
+two models of one shape differ, the smallest difference a ratio of that table resolves.
 --json PATH also writes those rows to PATH, one JSON object a line, each with the environment added: machine (host,
 CPU model from /proc/cpuinfo, boot, as results.json's), cpus (os.cpu_count()), torch, onnxruntime and date (the
 run's start). `python -m batchrnn.report SWEEP --inference PATH` puts them beside a study's results.
@@ -55,6 +57,9 @@ from batchrnn.training.device import machine  # noqa: E402
 
 WAYS = ("eval", "folded", "torch", "onnx")
 SIZES = ("an4_cpu_plateau", "an4_gpu")  # 3 layers of 256 (the CPU study's), 5 of 1024 (DS2's)
+# A second `none` model, of its own initialisation and timed like the rest: two models of one shape differ by
+# this much, so no ratio of the same table resolves less (the 3% of issue 54 among them)
+CONTROL = "none (2nd)"
 QUICK = {"utterances": 8, "rounds": 2, "warmup": 0, "hidden": 32, "layers": 2}  # --quick; flags given still win
 
 
@@ -90,9 +95,9 @@ def batches(feats: list[torch.Tensor], size: int) -> list[tuple[torch.Tensor, to
     return out
 
 
-def fresh_model(cfg: ModelConfig, num_features: int, calibration) -> DeepSpeech2:
+def fresh_model(cfg: ModelConfig, num_features: int, calibration, seed: int = 0) -> DeepSpeech2:
     """A fresh DS2 whose BatchNorms hold running moments (three training batches), in eval."""
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = DeepSpeech2(cfg, num_features, len(ALPHABET)).train()
     with torch.no_grad():
         for x, lengths in calibration:
@@ -148,14 +153,15 @@ def bench(size: str, rnn: str, args):
     num_features = feats[0].shape[1]
     calibration = batches(feats, 16)[-3:]  # the longest: every step of rbn's per-step moments gets some
     variants = [bn for bn in BNMode if not args.bn or bn.value in args.bn.split(",") or bn is BNMode.none]
+    labels = [bn.value for bn in variants] + [CONTROL]
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         models = {}
-        for bn in variants:
+        for label, bn in zip(labels, [*variants, BNMode.none]):
             model_cfg.bn = bn
-            model = fresh_model(model_cfg, num_features, calibration)
+            model = fresh_model(model_cfg, num_features, calibration, seed=int(label == CONTROL))
             for way, (run, mb) in ways_of(model, model_cfg, num_features, threads, args.ways.split(",")).items():
-                models[(bn, way)] = (run() if way == "onnx" else run, mb, run if way == "onnx" else None)
+                models[(label, way)] = (run() if way == "onnx" else run, mb, run if way == "onnx" else None)
         for batch in [int(b) for b in args.batch.split(",")]:
             data = batches(feats, batch)
             times = {k: [] for k in models}
@@ -177,15 +183,20 @@ def bench(size: str, rnn: str, args):
             rows = []
             for (bn, way), t in times.items():
                 median = statistics.median(t)
-                base = statistics.median(times[(BNMode.none, way)])
+                base = statistics.median(times[(BNMode.none.value, way)])
                 rows.append({"size": size, "layers": model_cfg.num_layers, "hidden": model_cfg.hidden_size,
-                             "rnn": rnn, "bn": bn.value, "backend": backend(bn.value, "fused"), "way": way,
+                             "rnn": rnn, "bn": bn, "backend": backend(BNMode.none.value if bn == CONTROL else bn,
+                                                                      "fused"), "way": way,
                              "batch": batch, "threads": threads, "seconds": float(f"{median:.4g}"),
                              "rtf": float(f"{median / seconds:.4g}"), "time_ratio": round(median / base, 3),
                              "peak_mb": round(memory[(bn, way)], 1),
-                             "mem_ratio": round(memory[(bn, way)] / memory[(BNMode.none, way)], 3),
+                             "mem_ratio": round(memory[(bn, way)] / memory[(BNMode.none.value, way)], 3),
                              "audio_s": round(seconds, 1), "utterances": len(feats), "rounds": args.rounds})
             yield rows
+
+
+def group_backend(group: list[dict], bn: str) -> str:
+    return next(r["backend"] for r in group if r["bn"] == bn)
 
 
 def table(rows: list[dict]) -> None:
@@ -197,13 +208,13 @@ def table(rows: list[dict]) -> None:
         print(f"\n{size} ({group[0]['layers']}x{group[0]['hidden']}), {rnn}, batch {batch}, {threads} thread(s): "
               f"real-time factor (x none's), peak MB; {group[0]['utterances']} utterances, "
               f"{group[0]['audio_s']} s of audio, median of {group[0]['rounds']} rounds")
-        print(f"{'bn':8} {'backend':7} " + " ".join(f"{w:>22}" for w in ways))
+        print(f"{'bn':10} {'backend':7} " + " ".join(f"{w:>22}" for w in ways))
         for bn in dict.fromkeys(r["bn"] for r in group):
             cells = []
             for w in ways:
                 r = next((r for r in group if r["bn"] == bn and r["way"] == w), None)
                 cells.append(f"{r['rtf']:.3g} ({r['time_ratio']:.2f}) {r['peak_mb']:6.0f}" if r else "-")
-            print(f"{bn:8} {backend(bn, 'fused'):7} " + " ".join(f"{c:>22}" for c in cells))
+            print(f"{bn:10} {group_backend(group, bn):7} " + " ".join(f"{c:>22}" for c in cells))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -211,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data-root", default="data", help="the prepared corpus's folder (data.root); read only")
     p.add_argument("--sizes", default=",".join(SIZES), help="comma-separated experiments whose model to time")
     p.add_argument("--rnn", default="gru,lstm")
-    p.add_argument("--bn", default="", help="comma-separated model.bn values (default: all; none always)")
+    p.add_argument("--bn", default="", help="comma-separated model.bn values (default: all; none and its second model always)")
     p.add_argument("--ways", default=",".join(WAYS))
     p.add_argument("--batch", default="1,16", help="comma-separated batch sizes")
     p.add_argument("--threads", default="1,2", help="comma-separated torch and onnxruntime thread counts")

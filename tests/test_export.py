@@ -234,6 +234,7 @@ def test_inference_bench_times_every_variant_every_way(smoke_root, capsys, tmp_p
     assert [{k: v for k, v in r.items() if k not in env} for r in saved] == rows
     assert all(r["cpus"] == os.cpu_count() and r["torch"] == torch.__version__ and ": " in r["machine"] for r in saved)
     assert sorted((r["bn"], r["way"]) for r in rows) == sorted(
-        [(bn, way) for bn in FOLDED for way in bench.WAYS] + [("ln_full", "eval"), ("rbn", "eval")])
+        [(bn, way) for bn in [*FOLDED, bench.CONTROL] for way in bench.WAYS] + [("ln_full", "eval"), ("rbn", "eval")])
     assert all(r["rtf"] > 0 and r["peak_mb"] > 0 and r["utterances"] == 4 for r in rows), rows
     assert all(r["time_ratio"] == 1 for r in rows if r["bn"] == "none")
+    assert all(r["backend"] == "fused" for r in rows if r["bn"] == bench.CONTROL)  # none's second model

@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data-root", default="data", help="the prepared corpus's folder (data.root); read only")
     p.add_argument("--sizes", default=",".join(SIZES), help="comma-separated experiments whose model to time")
     p.add_argument("--rnn", default="gru,lstm")
-    p.add_argument("--bn", default="", help="comma-separated model.bn values (default: all; none and its second model always)")
+    p.add_argument("--bn", default="",
+                   help="comma-separated model.bn values (default: all; none and its second model always)")
     p.add_argument("--ways", default=",".join(WAYS))
     p.add_argument("--batch", default="1,16", help="comma-separated batch sizes")
     p.add_argument("--threads", default="1,2", help="comma-separated torch and onnxruntime thread counts")

@@ -211,9 +211,9 @@ class MaskedBatchNorm(nn.Module):
         float64 x, one autograd function (MaskedBNHardtanh) whose backward takes a few passes over x, where
         autograd's of the same operations takes about twice as many; otherwise (eval, autocast) the same
         operations one by one."""
-        if self.training and x.dtype in (torch.float32, torch.float64) and mask.dtype == x.dtype:
-            y, mean, var, count = MaskedBNHardtanh.apply(x, mask, self.weight, self.bias, self.eps, lo, hi,
-                                                         channel_dim)
+        if self.training and x.dtype in (torch.float32, torch.float64):
+            y, mean, var, count = MaskedBNHardtanh.apply(x, mask.to(x.dtype), self.weight, self.bias, self.eps, lo,
+                                                         hi, channel_dim)
             self.fold(mean, var, count)  # the running averages' step
             return y
         return nn.functional.hardtanh(self.normalize(x, mask, channel_dim), lo, hi) * mask

@@ -1,6 +1,6 @@
 """Inference cost of every model.bn variant: the real-time factor and peak memory of transcribing AN4's test set,
 four ways, each way's variants timed interleaved in one process (as bench_rnn.py times training), median of
---rounds rounds. The page: experiments/inference.md.
+--rounds rounds, each variant's ratio to none the median of its per-round ratios. The page: experiments/inference.md.
 
     python experiments/bench_inference.py --data-root /work/main/data              # both sizes, the lead's run
     python experiments/bench_inference.py --data-root data --sizes an4_cpu_plateau --rnn gru
@@ -168,15 +168,20 @@ def bench(size: str, rnn: str, args):
             times = {k: [] for k in models}
             started = time.perf_counter()
             for r in range(args.warmup + args.rounds):
-                # interleaved: each round runs every variant and way once, in its own order (seeded), so that no
-                # model always runs first or after the same one (in a fixed order, none ran first in every round,
-                # and up to 9% apart from models of its shape)
-                for key in random.Random(r).sample(list(models), len(models)):
-                    model = models[key][0]
-                    start = time.perf_counter()
-                    transcribe_all(model, data)
-                    if r >= args.warmup:
-                        times[key].append(time.perf_counter() - start)
+                spent = dict.fromkeys(models, 0.0)
+                with torch.no_grad():
+                    for i, (x, lengths) in enumerate(data):
+                        # interleaved batch by batch, each batch's models in their own seeded order: a slow spell
+                        # of the machine, however short, falls on every model alike, and no model always runs
+                        # first or after the same one (whole passes in a fixed order were up to 9% apart from
+                        # models of their shape; in a seeded order per pass, still 3-9%)
+                        for key in random.Random(r * 100_003 + i).sample(list(models), len(models)):
+                            start = time.perf_counter()
+                            models[key][0](x, lengths)
+                            spent[key] += time.perf_counter() - start
+                if r >= args.warmup:
+                    for key, t in spent.items():
+                        times[key].append(t)
                 if r == 0:
                     print(f"bench_inference: {size} {rnn} batch {batch} threads {threads}: "
                           f"{time.perf_counter() - started:.0f} s a round, {args.warmup + args.rounds} rounds",
@@ -188,12 +193,13 @@ def bench(size: str, rnn: str, args):
             rows = []
             for (bn, way), t in times.items():
                 median = statistics.median(t)
-                base = statistics.median(times[(BNMode.none.value, way)])
+                # paired: each round's time over none's of the same round, then the median of those ratios
+                ratio = statistics.median(a / b for a, b in zip(t, times[(BNMode.none.value, way)]))
                 rows.append({"size": size, "layers": model_cfg.num_layers, "hidden": model_cfg.hidden_size,
                              "rnn": rnn, "bn": bn, "backend": backend(BNMode.none.value if bn == CONTROL else bn,
                                                                       "fused"), "way": way,
                              "batch": batch, "threads": threads, "seconds": float(f"{median:.4g}"),
-                             "rtf": float(f"{median / seconds:.4g}"), "time_ratio": round(median / base, 3),
+                             "rtf": float(f"{median / seconds:.4g}"), "time_ratio": round(ratio, 3),
                              "peak_mb": round(memory[(bn, way)], 1),
                              "mem_ratio": round(memory[(bn, way)] / memory[(BNMode.none.value, way)], 3),
                              "audio_s": round(seconds, 1), "utterances": len(feats), "rounds": args.rounds})

@@ -13,35 +13,40 @@ from batchrnn.training.distributed import all_sum, ghosting
 def masked_moments(x: torch.Tensor, mask: torch.Tensor, channel_dim: int):
     """Mean and biased variance per channel over valid positions; mask is 0/1, broadcastable to x."""
     x, mask = full_precision(x), full_precision(mask)  # statistics in float32 even under autocast
+    _, mean, var, count = centred_moments(x, mask, channel_dim)
+    return mean.flatten(), var.flatten(), count
+
+
+def centred_moments(x: torch.Tensor, mask: torch.Tensor, channel_dim: int):
+    """(x - mean) * mask, and the per-channel mean and biased variance over valid positions (kept dims, x's
+    dtype), and the count: masked_moments' computation, with the centred x that BatchNorm's backward reuses."""
     dims = [d for d in range(x.dim()) if d != channel_dim % x.dim()]
     count = mask.sum() * math.prod(x.shape[d] for d in dims if mask.shape[d] == 1)
     # data-parallel: the count and sum of every rank first, then the squares around that shared mean
     total, count = all_sum((x * mask).sum(dims, keepdim=True), count)
     mean = total / count
-    (var,) = all_sum(((x - mean).square() * mask).sum(dims, keepdim=True) / count)
-    return mean.flatten(), var.flatten(), count
+    # (x - mean) * mask value for value, in one pass: x * 1 - mean, or 0 + -0
+    centred = torch.addcmul(mask * -mean, x, mask)
+    (var,) = all_sum(centred.square().sum(dims, keepdim=True) / count)
+    return centred, mean, var, count
 
 
 class MaskedBNHardtanh(torch.autograd.Function):
     """Training's BatchNorm over valid positions, then Hardtanh(lo, hi), padding zeroed: the conv front end's
     step, with the backward written out (BatchNorm's closed form), where autograd would differentiate each of
     the moments' and the affine map's elementwise passes over the model's largest tensors in turn. The forward
-    computes what masked_moments and MaskedBatchNorm.normalize compute, value for value; the backward is the
-    same gradient, rounded in another order. Data-parallel: the batch-level sums of the backward are summed
-    over the ranks (one all-reduce), as autograd of all_sum would; a rank running a stand-in (ghost) passes
-    no gradient to x. Returns y and the batch's mean and biased variance (no gradient: the running averages')."""
+    computes what masked_moments (through centred_moments, whose centred x the backward keeps) and
+    MaskedBatchNorm.normalize compute, value for value; the backward is the same gradient, rounded in another
+    order. Data-parallel: the batch-level sums of the backward are summed over the ranks (one all-reduce), as
+    autograd of all_sum would; a rank running a stand-in (ghost) passes no gradient to x.
+    Returns y and the batch's mean and biased variance (no gradient: the running averages')."""
 
     @staticmethod
     def forward(ctx, x, mask, weight, bias, eps: float, lo: float, hi: float, channel_dim: int):
         dims = [d for d in range(x.dim()) if d != channel_dim % x.dim()]
         shape = [1] * x.dim()
         shape[channel_dim] = -1
-        count = mask.sum() * math.prod(x.shape[d] for d in dims if mask.shape[d] == 1)
-        total, count = all_sum((x * mask).sum(dims, keepdim=True), count)
-        mean = total / count
-        # (x - mean) * mask value for value, in one pass: x * 1 - mean, or 0 + -0
-        centred = torch.addcmul(mask * -mean, x, mask)
-        (var,) = all_sum(centred.square().sum(dims, keepdim=True) / count)  # masked_moments' variance, as computed
+        centred, mean, var, count = centred_moments(x, mask, channel_dim)
         mean, var = mean.flatten(), var.flatten()
         inv_std = torch.rsqrt(var + eps)
         scale = weight * inv_std
@@ -185,16 +190,20 @@ class MaskedBatchNorm(nn.Module):
         """Scale and shift that apply this BN: batch moments in training (updating the running
         averages), running averages in eval."""
         if self.training:
-            with torch.no_grad():
-                self.num_batches_tracked += 1
-                # A tensor, not a float, so reading the count never waits for the GPU.
-                factor = (self.momentum if self.momentum is not None
-                          else self.num_batches_tracked.reciprocal().to(self.running_mean.dtype))
-            track_moments(self.running_mean, self.running_var, mean, var, count, factor)
+            self.track(mean, var, count)
         else:
             mean, var = self.running_mean, self.running_var
         scale = self.weight * torch.rsqrt(var + self.eps)
         return scale, self.bias - mean * scale
+
+    def track(self, mean: torch.Tensor, var: torch.Tensor, count) -> None:
+        """The running averages' step towards a training batch's moments."""
+        with torch.no_grad():
+            self.num_batches_tracked += 1
+            # A tensor, not a float, so reading the count never waits for the GPU.
+            factor = (self.momentum if self.momentum is not None
+                      else self.num_batches_tracked.reciprocal().to(self.running_mean.dtype))
+        track_moments(self.running_mean, self.running_var, mean, var, count, factor)
 
     def eval_affine(self) -> tuple[torch.Tensor, torch.Tensor]:
         """In eval, this BN as the per-channel (scale, shift) its running moments give: an affine map."""
@@ -214,7 +223,7 @@ class MaskedBatchNorm(nn.Module):
         if self.training and x.dtype in (torch.float32, torch.float64):
             y, mean, var, count = MaskedBNHardtanh.apply(x, mask.to(x.dtype), self.weight, self.bias, self.eps, lo,
                                                          hi, channel_dim)
-            self.fold(mean, var, count)  # the running averages' step
+            self.track(mean, var, count)
             return y
         return nn.functional.hardtanh(self.normalize(x, mask, channel_dim), lo, hi) * mask
 

@@ -25,7 +25,7 @@ from batchrnn.data.corpus import prepare_corpus  # noqa: E402
 from batchrnn.data.features import load_features  # noqa: E402
 from batchrnn.data.text import greedy_decode  # noqa: E402
 from batchrnn.decoding.beam import BeamSearch, language_model  # noqa: E402
-from batchrnn.decoding.tuning import emissions, grid, tune  # noqa: E402
+from batchrnn.decoding.tuning import emissions, tune  # noqa: E402
 from batchrnn.evaluate import checkpoint_path, data_config  # noqa: E402
 from batchrnn.metrics import error_rates  # noqa: E402
 from batchrnn.training.checkpoint import load_model, typed  # noqa: E402
@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> None:
     cpu = time.process_time()  # the process's CPU seconds (all threads): less moved by other load than the clock
     e, forward_s = timed(lambda: {s: emissions(model, fs, batch_size, device) for s, fs in sets.items()})
     tuned, tuning_s = timed(lambda: tune(BeamSearch(lm, cfg.beam_size), (e["val"], sets["val"].texts),
-                                         (e["test"], sets["test"].texts, sets["test"].ids), grid(cfg)))
+                                         (e["test"], sets["test"].texts, sets["test"].ids), cfg.lm_weights,
+                                         cfg.word_scores, cfg.widen))
     whole, whole_cpu = forward_s + tuning_s, time.process_time() - cpu
 
     # greedy on test: the forward pass and best-path decoding

@@ -191,11 +191,39 @@ def test_tuning_chooses_on_validation_and_decodes_test_once(home_lm):
     counting = lambda e, a, b: calls.append((len(e), a, b)) or search(e, a, b)  # noqa: E731
     val = ([go_ho_e(0.55, 0.4)] * 2, ["GO HOME"] * 2)
     test = ([go_ho_e(0.6, 0.35)], ["GO HOPE"], ["t1"])
-    out = tune(counting, val, test, [(0.0, 0.0), (1.0, 0.0), (2.0, 0.0)])
+    out = tune(counting, val, test, [0.0, 1.0, 2.0], [0.0])
     assert (out["lm_weight"], out["word_score"]) == (1.0, 0.0)  # 1 and 2 tie at 0% WER: the earlier point
     assert [g["val_wer"] for g in out["grid"]] == [0.5, 0.0, 0.0]
     assert calls[-1] == (1, 1.0, 0.0) and all(n == 2 for n, _, _ in calls[:-1])  # test once, at the choice
     assert out["test_wer"] == 0.5 and out["test_utterances"] == [{"id": "t1", "ref": "GO HOPE", "hyp": "GO HOME"}]
+
+
+@pytest.mark.parametrize("widen, chosen, widened, at_edge", [
+    (0, (0.0, 2.0), {}, ["word_score high"]),
+    (2, (0.0, 4.0), {"word_score high": 2}, ["word_score high"]),
+    (4, (0.0, 5.0), {"word_score high": 4}, []),
+])
+def test_the_lm_grid_widens_past_the_edge_its_choice_lies_on(widen, chosen, widened, at_edge):
+    """A scripted validation WER whose optimum, word score 5, lies past the grid's highest (2): the grid widens one
+    step at a time while the choice is on that edge, at most `widen` times; the LM weight, best at 0, never goes
+    below 0; test is decoded once, at the choice."""
+    refs = ["ONE TWO THREE FOUR FIVE SIX SEVEN EIGHT NINE TEN"]
+    words = refs[0].split()
+
+    def search(emissions, lm_weight, word_score):  # wrong words: the distance from (0, 5)
+        wrong = min(len(words), round(abs(word_score - 5.0)) + round(2 * lm_weight))
+        return [" ".join(["X"] * wrong + words[wrong:])] * len(emissions)
+
+    calls = []
+    counting = lambda e, a, b: calls.append((len(e), a, b)) or search(e, a, b)  # noqa: E731
+    out = tune(counting, ([None] * 2, refs * 2), ([None], refs, ["t1"]), [0.0, 0.5, 1.0], [-1.0, 0.0, 1.0, 2.0],
+               widen)
+    assert (out["lm_weight"], out["word_score"]) == chosen and out["widened"] == widened
+    assert out["at_edge"] == at_edge
+    assert sorted({g["word_score"] for g in out["grid"]}) == [-1.0, 0.0, 1.0, 2.0] + [3.0, 4.0, 5.0, 6.0][:widen]
+    assert {g["lm_weight"] for g in out["grid"]} == {0.0, 0.5, 1.0}  # none below 0, none past 1: not chosen there
+    assert len(out["grid"]) == 3 * (4 + widen) and calls[-1] == (1, *chosen)
+    assert all(n == 2 for n, _, _ in calls[:-1])
 
 
 def test_an_unreadable_lm_is_refused_when_the_decoder_loads_it(home_lm, tmp_path):
@@ -247,7 +275,9 @@ def test_greedy_results_are_the_same_with_the_beam_decoder_set(runs):
     assert strip(greedy) | {"epochs": None} == strip(beam) | {"epochs": None}
     assert "lm" not in greedy and "lm" not in json.loads((greedy_dir / RESULTS).read_text())
     lm = json.loads((beam_dir / RESULTS).read_text())["lm"]
-    assert lm == beam["lm"] and len(lm["grid"]) == 28 and len(lm["test_utterances"]) == len(beam["test_utterances"])
+    assert lm == beam["lm"] and len(lm["test_utterances"]) == len(beam["test_utterances"])
+    axes = [{p[name] for p in lm["grid"]} for name in ("lm_weight", "word_score")]
+    assert len(lm["grid"]) == len(axes[0]) * len(axes[1]) >= 28  # the default grid, and each widening's
     assert lm["lm"] == f"kn3-{lm['lm_sha256'][:16]}.arpa" and lm["lm_built"]
 
 
@@ -255,7 +285,7 @@ def test_the_hypotheses_are_cached_beside_the_model(runs, monkeypatch):
     cfg, folder, results = runs["beam"]
     monkeypatch.setattr(tuning, "tune", lambda *a, **k: pytest.fail("decoded again despite the cache"))
     assert tuning.decode_run(folder / BEST, cfg.decode, cfg.data) == results["lm"]
-    narrower = OmegaConf.merge(cfg.decode, {"lm_weights": [0.0, 1.0]})  # another grid: another key, decoded again
+    narrower = OmegaConf.merge(cfg.decode, {"lm_weights": [0.0, 1.0], "widen": 0})  # another key: decoded again
     monkeypatch.undo()
     other = tuning.decode_run(folder / BEST, narrower, cfg.data)
     assert len(other["grid"]) == 8 and len(list(folder.glob("decode-*.json"))) == 2
@@ -265,14 +295,17 @@ def test_the_hypotheses_are_cached_beside_the_model(runs, monkeypatch):
 # the report's LM family
 
 
-def decoded(config: dict, greedy_wrong: set, lm_wrong: set, lm_weight: float) -> dict:
-    """A results.json with greedy's outputs and the word LM's, each wrong in one word of the utterances given."""
+def decoded(config: dict, greedy_wrong: set, lm_wrong: set, lm_weight: float, word_score: float = 1.0) -> dict:
+    """A results.json with greedy's outputs and the word LM's, each wrong in one word of the utterances given, decoded
+    on the default grid before it widened (no `at_edge`: the report finds the edges from the grid)."""
     out = report_result(config, greedy_wrong, [0.5, 0.3])
     utts = [{**u, "hyp": ("X" if i in lm_wrong else "YES") + " NO GO STOP ONE"}
             for i, u in enumerate(out["test_utterances"])]
     wer = len(lm_wrong) / (5 * len(utts))
     return out | {"lm": {"lm": "kn3-0123456789abcdef.arpa", "lm_sha256": "0123456789abcdef" * 4, "lm_built": True,
-                         "beam_size": 50, "grid": [{}] * 28, "lm_weight": lm_weight, "word_score": 1.0,
+                         "beam_size": 50, "lm_weight": lm_weight, "word_score": word_score,
+                         "grid": [{"lm_weight": a, "word_score": b, "val_wer": 0.3}
+                                  for a in DecodeConfig().lm_weights for b in DecodeConfig().word_scores],
                          "val_wer": 0.2, "test_wer": wer, "test_cer": wer / 2, "test_utterances": utts}}
 
 
@@ -284,7 +317,7 @@ def test_the_report_has_the_lm_as_a_second_family_beside_greedys(tmp_path):
             config = {"model": {"rnn": "gru", "bn": bn, "impl": "fused"}, "seed": seed}
             report_write(root, f"{bn}-{seed}", decoded(config, set(range(30)), lm_wrong, 0.5 * seed))
         config = {"model": {"rnn": "gru", "bn": "ln", "impl": "fused"}, "seed": seed}
-        ln = decoded(config, set(range(30)), set(range(5)), 1.0)
+        ln = decoded(config, set(range(30)), set(range(5)), 1.0, word_score=2.0)  # the grid's highest word score
         report_write(root, f"ln-{seed}", ln if seed == 1 else {k: v for k, v in ln.items() if k != "lm"})
     text = write_report(root, tmp_path / "out").read_text()
     greedy, lm = section(text, "Head to head"), section(text, "With the word language model")
@@ -296,7 +329,8 @@ def test_the_report_has_the_lm_as_a_second_family_beside_greedys(tmp_path):
     rows = {r[1]: r for r in table_rows(lm.split("### Head to head")[0])}
     assert rows["none"][3:] == ["3 of 3", "6.0 ± 0.0", "8.0 ± 0.0", "4.0 ± 0.0", "(baseline)", "s1: 0.5 / 1; s2: 1 / 1; s3: 1.5 / 1"]
     assert rows["seqwise"][3:6] == ["3 of 3", "6.0 ± 0.0", "1.0 ± 0.0"] and rows["seqwise"][7].endswith("*")
-    assert rows["ln"][3] == "1 of 3"
+    assert rows["ln"][3] == "1 of 3" and rows["ln"][8] == "s1: 1 / 2 ‡"
+    assert "‡ 1 runs chose a point on an edge of their grid" in lm and ": gru-ln s1 (word_score high)." in lm
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert len(report["comparisons"]) == 3 and len(report["lm"]["comparisons"]) == 1
     assert report["lm"]["comparisons"][0]["significant"] and not any(c["significant"] for c in report["comparisons"])

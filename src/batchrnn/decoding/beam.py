@@ -45,6 +45,8 @@ def check(cfg: DecodeConfig) -> None:
         raise DecodeError(f"decode.beam_size={cfg.beam_size}: must be 1 or more")
     if not cfg.lm_weights or not cfg.word_scores:
         raise DecodeError("decode.lm_weights and decode.word_scores: the tuning grid needs at least one value each")
+    if cfg.widen < 0:
+        raise DecodeError(f"decode.widen={cfg.widen}: must be 0 or more (0: the grid as given)")
 
 
 def readable(path: str, key: str, fix: str) -> None:

@@ -44,21 +44,58 @@ def grid(cfg: DecodeConfig) -> list[tuple[float, float]]:
     return [(float(a), float(b)) for a in cfg.lm_weights for b in cfg.word_scores]
 
 
+AXES = ("lm_weight", "word_score")
+
+
+def edges(best: dict, axes: tuple[list[float], list[float]]) -> list[tuple[int, str, float]]:
+    """The grid's edges that the best point lies on and that can widen, as (axis, "high" or "low", the value past
+    it): a step past the edge as wide as the edge's own; the LM weights never below 0 (axis 0: LM weights, 1: word
+    scores). An axis of one value has no step to take."""
+    out = []
+    for axis, values in enumerate(axes):
+        v = sorted(values)
+        if len(v) < 2:
+            continue
+        for edge, at, past in (("high", v[-1], v[-1] + (v[-1] - v[-2])), ("low", v[0], v[0] - (v[1] - v[0]))):
+            if best[AXES[axis]] == at and (axis == 1 or past >= 0):
+                out.append((axis, edge, round(past, 9)))
+    return out
+
+
 def tune(search: BeamSearch, val: tuple[list, list[str]], test: tuple[list, list[str], list[str]],
-         points: list[tuple[float, float]], progress: bool = False) -> dict:
-    """val: (emissions, references); test: (emissions, references, ids). The grid on validation, then test once."""
+         lm_weights: list[float], word_scores: list[float], widen: int = 0, progress: bool = False) -> dict:
+    """val: (emissions, references); test: (emissions, references, ids). The grid lm_weights x word_scores on
+    validation, widened by one value past each edge the best point lies on (edges), at most `widen` times an edge,
+    until it lies on none it may widen; then test once, at the lowest validation WER (ties: the point decoded
+    first: the grid's in its order, then each widening's). `at_edge` names the edges a choice still lies on."""
     start = time.perf_counter()
     (val_e, val_refs), (test_e, test_refs, test_ids) = val, test
-    scored = []
-    for lm_weight, word_score in progress_bar(points, desc="LM grid on val", unit="point", disable=not progress):
-        wer, cer = error_rates(val_refs, search(val_e, lm_weight, word_score))
-        scored.append({"lm_weight": lm_weight, "word_score": word_score, "val_wer": wer, "val_cer": cer})
-    best = min(scored, key=lambda p: p["val_wer"])  # min keeps the first of equals: the grid's order
+    axes = ([float(a) for a in lm_weights], [float(b) for b in word_scores])
+    scored, widened = {}, {}
+    todo = [(a, b) for a in axes[0] for b in axes[1]]
+    bar = progress_bar(total=len(todo), desc="LM grid on val", unit="point", disable=not progress)
+    while todo:
+        for lm_weight, word_score in todo:
+            wer, cer = error_rates(val_refs, search(val_e, lm_weight, word_score))
+            scored[lm_weight, word_score] = {"lm_weight": lm_weight, "word_score": word_score, "val_wer": wer,
+                                             "val_cer": cer}
+            bar.update()
+        best = min(scored.values(), key=lambda p: p["val_wer"])  # min keeps the first of equals
+        for axis, edge, past in edges(best, axes):
+            if widened.get((axis, edge), 0) < widen:
+                widened[axis, edge] = widened.get((axis, edge), 0) + 1
+                axes[axis].append(past)
+        todo = [(a, b) for a in axes[0] for b in axes[1] if (a, b) not in scored]
+        bar.total += len(todo)
+    bar.close()
     tuned = time.perf_counter()
     hyps = search(test_e, best["lm_weight"], best["word_score"])
     wer, cer = error_rates(test_refs, hyps)
     return {"lm_weight": best["lm_weight"], "word_score": best["word_score"], "val_wer": best["val_wer"],
-            "val_cer": best["val_cer"], "grid": scored, "test_wer": wer, "test_cer": cer,
+            "val_cer": best["val_cer"], "grid": list(scored.values()), "widen": widen,
+            "widened": {f"{AXES[axis]} {edge}": n for (axis, edge), n in widened.items()},
+            "at_edge": [f"{AXES[axis]} {edge}" for axis, edge, _ in edges(best, axes)],
+            "test_wer": wer, "test_cer": cer,
             "test_utterances": [{"id": i, "ref": r, "hyp": h} for i, r, h in zip(test_ids, test_refs, hyps)],
             "seconds": {"val_grid": tuned - start, "test": time.perf_counter() - tuned}}
 
@@ -78,7 +115,8 @@ def decode_run(checkpoint: Path, cfg: DecodeConfig, data: DataConfig | None = No
     points = grid(cfg)
     sets = {s: load_features(corpus, s, data) for s in ("val", "test")}
     key = hashlib.sha256(json.dumps({"model": sha256(checkpoint), "lm": lm.key(), "beam": cfg.beam_size,
-                                     "grid": points, "val": sets["val"].ids, "test": sets["test"].ids}).encode())
+                                     "grid": points, "widen": cfg.widen, "val": sets["val"].ids,
+                                     "test": sets["test"].ids}).encode())
     cache = checkpoint.parent / CACHE.format(key=key.hexdigest()[:16])
     if cache.is_file():
         try:
@@ -91,8 +129,8 @@ def decode_run(checkpoint: Path, cfg: DecodeConfig, data: DataConfig | None = No
     e = {s: emissions(model, fs, train.batch_size, device, bf16) for s, fs in sets.items()}
     seconds = time.perf_counter() - start
     search = BeamSearch(lm, cfg.beam_size)
-    result = tune(search, (e["val"], sets["val"].texts), (e["test"], sets["test"].texts, sets["test"].ids), points,
-                  progress)
+    result = tune(search, (e["val"], sets["val"].texts), (e["test"], sets["test"].texts, sets["test"].ids),
+                  cfg.lm_weights, cfg.word_scores, cfg.widen, progress)
     result = {"lm": lm.path.name, "lm_sha256": lm.sha256, "lm_built": lm.built, "lexicon_words": len(lm.words),
               "beam_size": cfg.beam_size, "lm_weights": list(map(float, cfg.lm_weights)),
               "word_scores": list(map(float, cfg.word_scores)), **result}

@@ -387,10 +387,17 @@ def with_lm(summary: Summary) -> list[str]:
         baseline = row["bn"] == NONE and row["impl"] == Impl.fused.value
         dwer = "(baseline)" if baseline else "–" if math.isnan(row["lm_dwer"]) else interval(
             {k: row["lm_" + k] for k in ("dwer", "dwer_lo", "dwer_hi", "significant")})
-        chosen = "; ".join(f"s{c['seed']}: {c['lm_weight']:g} / {c['word_score']:g}" for c in row["lm_chosen"])
+        chosen = "; ".join(f"s{c['seed']}: {c['lm_weight']:g} / {c['word_score']:g}" + " ‡" * bool(c["at_edge"])
+                           for c in row["lm_chosen"])
         lines.append("| " + " | ".join(identity(summary, row) + [
             f"{row['lm_n']} of {row['n']}", fmt(row, "test_wer", 100), fmt(row, "lm_test_wer", 100),
             fmt(row, "lm_test_cer", 100), dwer, chosen]) + " |")
+    edge = [f"{row['label']} s{c['seed']} ({', '.join(c['at_edge'])})" for row in summary.rows
+            for c in row.get("lm_chosen", []) if c["at_edge"]]
+    if edge:
+        lines += ["", f"‡ {len(edge)} runs chose a point on an edge of their grid, where a wider grid might choose "
+                  "otherwise and decode better (`decode.widen` widens it past such an edge; a run decoded before "
+                  "that, or at its limit, stays there): " + "; ".join(edge) + "."]
     lines += ["", "### Head to head with the LM", "", "The head-to-head comparisons again, on each run's LM hypotheses: a "
               "second family, Holm-corrected on its own, never mixed with greedy's.", ""]
     lines += comparisons_table(lm["comparisons"])

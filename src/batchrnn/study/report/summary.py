@@ -643,6 +643,17 @@ def faster(a: dict, b: dict) -> str | None:
 LM = "lm_"  # the prefix of a row's figures under LM decoding, and compare()'s `decoded`
 
 
+def lm_at_edge(lm: dict) -> list[str]:
+    """The edges of its grid that a run's LM choice lies on: results.json's own record, or, for a run decoded before
+    the grid widened (decode.widen), the edges of the grid it was decoded on."""
+    if "at_edge" in lm:
+        return lm["at_edge"]
+    from batchrnn.decoding.tuning import AXES, edges
+
+    axes = tuple(sorted({p[name] for p in lm["grid"]}) for name in AXES)
+    return [f"{AXES[axis]} {edge}" for axis, edge, _ in edges(lm, axes)]
+
+
 def lm_family(rows: list[dict]) -> dict | None:
     """The verdict decoded with the word LM: each row's LM test WER and CER, greedy's beside them, and every seed's
     chosen LM weight and word score; the same comparisons as greedy's over the rows whose every finished seed was
@@ -658,8 +669,9 @@ def lm_family(rows: list[dict]) -> dict | None:
         # against `none` with the LM (compare fills them in for the rows of the family), as make_row's for greedy
         row.update({LM + "dwer": math.nan, LM + "dwer_lo": math.nan, LM + "dwer_hi": math.nan, LM + "p": None,
                     LM + "p_holm": None, LM + "significant": False, LM + "dwer_capped": False})
-        row[LM + "chosen"] = [{"seed": run["seed"], **{k: run["result"]["lm"][k] for k in
-                                                       ("lm_weight", "word_score", "val_wer", "beam_size")}}
+        row[LM + "chosen"] = [{"seed": run["seed"], "at_edge": lm_at_edge(run["result"]["lm"]),
+                               **{k: run["result"]["lm"][k] for k in ("lm_weight", "word_score", "val_wer",
+                                                                       "beam_size")}}
                               for run in row["_finished"] if "lm" in run["result"]]
         models |= {f"{lm['lm']} (sha256 {lm['lm_sha256'][:16]}, {'built here' if lm['lm_built'] else 'given'}, "
                    f"beam {lm['beam_size']}, grid {len(lm['grid'])} points)" for lm in decoded}

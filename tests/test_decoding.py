@@ -3,6 +3,7 @@ decoder on a hand-made case, the settings' errors, the tuning's cache, and greed
 import importlib.util
 import json
 import random
+import shutil
 from collections import defaultdict
 
 import pytest
@@ -19,6 +20,7 @@ from batchrnn.decoding.tuning import tune
 from batchrnn.evaluate import main as evaluate
 from batchrnn.training.identity import run_name
 from batchrnn.training.loop import train
+from batchrnn.storage import write_json
 from batchrnn.training.rundir import BEST, RESULTS
 from batchrnn.study.report import write_report
 from conftest import ROOT
@@ -347,6 +349,32 @@ def test_a_report_without_lm_results_has_no_trace_of_them(tmp_path):
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert "language model" not in text and "lm" not in report and "greedy_vs_lm.png" not in report["plots"]
     assert not any(k.startswith("lm_") for row in report["rows"] for k in row)
+
+
+def test_decode_writes_each_finished_runs_lm_and_names_the_rest(runs, tmp_path, capsys):
+    """evaluate decode over a study's folder: the greedy run gains an `lm` (the widened rule's keys included) and
+    keeps its greedy figures; a finished run without best.pt keeps what it had and is named; an unfinished one is
+    left alone; a folder with no runs is refused."""
+    _, greedy_dir, greedy = runs["greedy"]
+    study = tmp_path / "study"
+    shutil.copytree(greedy_dir, study / "a")
+    shutil.copytree(greedy_dir, study / "b", ignore=shutil.ignore_patterns(BEST))
+    shutil.copytree(greedy_dir, study / "c")
+    write_json(study / "c" / RESULTS, greedy | {"status": "running"})
+    evaluate(["decode", str(study)])
+    out = capsys.readouterr().out
+    a = json.loads((study / "a" / RESULTS).read_text())
+    assert {k: v for k, v in a.items() if k != "lm"} == json.loads((greedy_dir / RESULTS).read_text())
+    assert a["lm"]["widen"] == DecodeConfig().widen and "at_edge" in a["lm"] and len(a["lm"]["grid"]) >= 28
+    assert "lm" not in json.loads((study / "b" / RESULTS).read_text())
+    assert "lm" not in json.loads((study / "c" / RESULTS).read_text())
+    assert ("decoded 1 finished runs with the LM (the built 3-gram); 1 not finished, left alone; 1 finished "
+            f"without their best.pt, keeping the lm they had: b") in out
+    assert f"{study / 'a'}: test WER {100 * greedy['test_wer']:.2f}% greedy, {100 * a['lm']['test_wer']:.2f}%" in out
+    with pytest.raises(SystemExit) as stop:
+        evaluate(["decode", str(tmp_path / "empty")])
+    assert stop.value.code == 2
+    assert f"error: {tmp_path / 'empty'}: no results.json under it" in capsys.readouterr().err
 
 
 def test_score_and_transcribe_decode_with_the_lm(runs, smoke_root, capsys):

@@ -5,6 +5,7 @@
     python -m batchrnn.evaluate transcribe runs/smoke/gru-seqwise-L2-lr0.003-s0-<hash>/best.pt a.sph b.wav
     python -m batchrnn.evaluate transcribe runs/smoke/gru-seqwise-L2-lr0.003-s0-<hash> --decoder beam a.sph
     python -m batchrnn.evaluate export runs/smoke/gru-seqwise-L2-lr0.003-s0-<hash> --format onnx
+    python -m batchrnn.evaluate decode runs/an4_cpu_patience   # every finished run, with the LM, into results.json
 """
 import argparse
 import json
@@ -22,6 +23,7 @@ from batchrnn.data.corpus import SAMPLE_RATE, DataError, prepare_corpus, read_au
 from batchrnn.data.features import Featurizer, finite, load_features
 from batchrnn.data.manifest import content_sha256, manifests
 from batchrnn.decoding.beam import check
+from batchrnn.progress import progress_bar
 from batchrnn.storage import write_json
 from batchrnn.data.text import greedy_decode
 from batchrnn.training.device import pick_device, uses_bf16
@@ -94,6 +96,38 @@ def score_split(args) -> None:
               f"{lm['word_score']:g}, chosen on validation over {len(lm['grid'])} points)")
     if args.out:
         write_json(args.out, {"checkpoint": str(path), "split": args.split, **result} | ({"lm": lm} if lm else {}))
+
+
+def decode_runs(args) -> None:
+    """Every finished run under the folders given, decoded with the word LM at these settings (the grid as this
+    code widens it), into its results.json's `lm`: a study decoded again after its decoder's rule changed. Greedy
+    figures stay as they are. A finished run without its best.pt keeps the `lm` it has, and is named."""
+    decoding = decode_config(args)
+    device = pick_device(args.device)
+    folders = sorted({r.parent for f in args.folders for r in Path(f).rglob(RESULTS)})
+    if not folders:
+        raise UsageError(f"{', '.join(args.folders)}: no {RESULTS} under it; give a run folder or a study's folder "
+                         "of runs")
+    from batchrnn.decoding.tuning import decode_run  # loads torchaudio's decoder
+
+    decoded, unfinished, no_model = 0, 0, []
+    for folder in progress_bar(folders, desc="LM decoding", unit="run"):
+        results = json.loads((folder / RESULTS).read_text())
+        if results.get("status") != "finished":
+            unfinished += 1
+            continue
+        if not (folder / BEST).is_file():
+            no_model.append(folder.name)
+            continue
+        lm = decode_run(folder / BEST, decoding, data_config(results, args.data_root), device)
+        write_json(folder / RESULTS, results | {"lm": lm})
+        decoded += 1
+        edge = f"; on the grid's edge ({', '.join(lm['at_edge'])})" if lm["at_edge"] else ""
+        print(f"{folder}: test WER {100 * results['test_wer']:.2f}% greedy, {100 * lm['test_wer']:.2f}% with the "
+              f"LM (weight {lm['lm_weight']:g}, word score {lm['word_score']:g}, {len(lm['grid'])} points{edge})")
+    print(f"decoded {decoded} finished runs with the LM {decoding.lm or '(the built 3-gram)'}; {unfinished} not "
+          f"finished, left alone" + (f"; {len(no_model)} finished without their {BEST}, keeping the lm they had: "
+                                     + ", ".join(no_model) if no_model else ""))
 
 
 def unfinished_run(path: Path) -> str | None:
@@ -178,18 +212,25 @@ def main(argv: list[str] | None = None) -> None:
     s.set_defaults(run=score_split)
     t = commands.add_parser("transcribe", help="print path<TAB>transcript for each audio file (SPHERE, WAV)")
     t.set_defaults(run=transcribe)
-    for command in (s, t):
+    d = commands.add_parser("decode", help="decode every finished run under the folders given with the word LM, "
+                            "into each results.json's lm (after the study that trained them has ended: a running "
+                            "study decodes the runs it meets again at its own settings)")
+    d.add_argument("folders", nargs="+", metavar="RUN_OR_STUDY_DIR")
+    d.set_defaults(run=decode_runs, decoder=Decoder.beam.value)
+    for command in (s, t, d):
         command.add_argument("--data-root", help="folder of the prepared corpus (default: the run's data.root)")
-        command.add_argument("--decoder", choices=[d.value for d in Decoder], default=Decoder.greedy.value,
-                             help="beam: with a word LM, its LM weight and word score tuned on the run's validation "
-                                  "split (docs/decoding.md); score prints greedy's figures too")
+        if command is not d:
+            command.add_argument("--decoder", choices=[d.value for d in Decoder], default=Decoder.greedy.value,
+                                 help="beam: with a word LM, its LM weight and word score tuned on the run's "
+                                      "validation split (docs/decoding.md); score prints greedy's figures too")
         command.add_argument("--lm", help="--decoder beam: a KenLM ARPA or binary file (default: a 3-gram of the "
                                           "training transcripts, built and cached under the data root)")
         command.add_argument("--lexicon", help="--decoder beam: the words it may emit, one a line (default: the "
                                                "training words)")
         command.add_argument("--beam-size", type=int, default=DecodeConfig.beam_size)
-        command.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT", help=f"a run folder (its {BEST}) "
-                             "or a checkpoint file")
+        if command is not d:
+            command.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT", help=f"a run folder (its {BEST}) "
+                                 "or a checkpoint file")
         command.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     x = commands.add_parser("export", help="the model with its normalisations folded, for serving "
                             "(docs/export.md)")

@@ -228,6 +228,25 @@ def test_the_lm_grid_widens_past_the_edge_its_choice_lies_on(widen, chosen, wide
     assert all(n == 2 for n, _, _ in calls[:-1])
 
 
+@pytest.mark.parametrize("lm_weights, word_scores, wrong, chosen, widened", [
+    # both axes past their edges at once: the LM weights up, the word scores down
+    ([0.5, 1.0], [-1.0, 0.0, 1.0], lambda a, b: round(abs(b + 3)) + round(2 * abs(a - 2.5)), (2.5, -3.0),
+     {"lm_weight high": 4, "word_score low": 3}),
+    # the lowest LM weight above 0 is an edge, and widens to 0, not below
+    ([0.5, 1.0], [0.0, 1.0], lambda a, b: round(abs(b)) + round(2 * a), (0.0, 0.0),
+     {"lm_weight low": 1, "word_score low": 1}),
+    # a widened point that ties with the grid's loses the tie
+    ([0.0], [0.0, 1.0], lambda a, b: int(b < 1), (0.0, 1.0), {"word_score high": 1}),
+])
+def test_the_lm_grid_widens_each_way_and_later_points_lose_ties(lm_weights, word_scores, wrong, chosen, widened):
+    refs = ["ONE TWO THREE FOUR FIVE SIX SEVEN EIGHT NINE TEN"]
+    words = refs[0].split()
+    search = lambda e, a, b: [" ".join(["X"] * min(10, wrong(a, b)) + words[wrong(a, b):])] * len(e)  # noqa: E731
+    out = tune(search, ([None], refs), ([None], refs, ["t1"]), lm_weights, word_scores, widen=4)
+    assert ((out["lm_weight"], out["word_score"]), out["widened"], out["at_edge"]) == (chosen, widened, [])
+    assert min(g["lm_weight"] for g in out["grid"]) >= 0
+
+
 def test_an_unreadable_lm_is_refused_when_the_decoder_loads_it(home_lm, tmp_path):
     (tmp_path / "x.arpa").write_text("not a language model\n")
     search = BeamSearch(LanguageModel(tmp_path / "x.arpa", "", home_lm.words, built=False), beam_size=10)
@@ -242,6 +261,9 @@ def test_an_unreadable_lm_is_refused_when_the_decoder_loads_it(home_lm, tmp_path
                                                 r"ARPA or binary file, or drop decode.lm"),
     ({"decoder": "beam", "lexicon": "words.txt"}, r"^decode.lexicon=words.txt:3: 'NO-GO' has characters outside the "
                                                   r"model's alphabet \('-'\); .*: correct or delete the line$"),
+    ({"decoder": "beam", "word_scores": [0.0, 1.0, 1.0]}, r"^decode.word_scores=\[0.0, 1.0, 1.0\]: a value twice; "
+                                                         r"give each value once$"),
+    ({"decoder": "beam", "widen": -1}, r"^decode.widen=-1: must be 0 or more \(0: the grid as given\)$"),
 ])
 def test_settings_that_cannot_work_are_named_with_their_fix(settings, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -291,6 +313,9 @@ def test_the_hypotheses_are_cached_beside_the_model(runs, monkeypatch):
     monkeypatch.undo()
     other = tuning.decode_run(folder / BEST, narrower, cfg.data)
     assert len(other["grid"]) == 8 and len(list(folder.glob("decode-*.json"))) == 2
+    unwidened = OmegaConf.merge(cfg.decode, {"widen": 0})  # the same grid, another rule: another key
+    assert len(tuning.decode_run(folder / BEST, unwidened, cfg.data)["grid"]) == 28
+    assert len(list(folder.glob("decode-*.json"))) == 3
 
 
 # -----------------------------------------------------------------------------
@@ -332,7 +357,7 @@ def test_the_report_has_the_lm_as_a_second_family_beside_greedys(tmp_path):
     assert rows["none"][3:] == ["3 of 3", "6.0 ± 0.0", "8.0 ± 0.0", "4.0 ± 0.0", "(baseline)", "s1: 0.5 / 1; s2: 1 / 1; s3: 1.5 / 1"]
     assert rows["seqwise"][3:6] == ["3 of 3", "6.0 ± 0.0", "1.0 ± 0.0"] and rows["seqwise"][7].endswith("*")
     assert rows["ln"][3] == "1 of 3" and rows["ln"][8] == "s1: 1 / 2 ‡"
-    assert "‡ 1 runs chose a point on an edge of their grid" in lm and ": gru-ln s1 (word_score high)." in lm
+    assert "‡ 1 run chose a point on an edge of the grid" in lm and ": gru-ln s1 (word_score high)." in lm
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert len(report["comparisons"]) == 3 and len(report["lm"]["comparisons"]) == 1
     assert report["lm"]["comparisons"][0]["significant"] and not any(c["significant"] for c in report["comparisons"])
@@ -361,6 +386,8 @@ def test_decode_writes_each_finished_runs_lm_and_names_the_rest(runs, tmp_path, 
     shutil.copytree(greedy_dir, study / "b", ignore=shutil.ignore_patterns(BEST))
     shutil.copytree(greedy_dir, study / "c")
     write_json(study / "c" / RESULTS, greedy | {"status": "running"})
+    shutil.copytree(greedy_dir, study / "d")
+    (study / "d" / BEST).write_bytes(b"not a checkpoint")  # named with its fault; the runs after it still decode
     evaluate(["decode", str(study)])
     out = capsys.readouterr().out
     a = json.loads((study / "a" / RESULTS).read_text())
@@ -368,8 +395,8 @@ def test_decode_writes_each_finished_runs_lm_and_names_the_rest(runs, tmp_path, 
     assert a["lm"]["widen"] == DecodeConfig().widen and "at_edge" in a["lm"] and len(a["lm"]["grid"]) >= 28
     assert "lm" not in json.loads((study / "b" / RESULTS).read_text())
     assert "lm" not in json.loads((study / "c" / RESULTS).read_text())
-    assert ("decoded 1 finished runs with the LM (the built 3-gram); 1 not finished, left alone; 1 finished "
-            f"without their best.pt, keeping the lm they had: b") in out
+    assert ("decoded 1 finished runs with the LM (the built 3-gram); 1 not finished (running or diverged), left "
+            "alone; 2 finished without a usable best.pt, keeping the lm they had: b (missing), d (") in out
     assert f"{study / 'a'}: test WER {100 * greedy['test_wer']:.2f}% greedy, {100 * a['lm']['test_wer']:.2f}%" in out
     with pytest.raises(SystemExit) as stop:
         evaluate(["decode", str(tmp_path / "empty")])

@@ -27,7 +27,7 @@ from batchrnn.progress import progress_bar
 from batchrnn.storage import write_json
 from batchrnn.data.text import greedy_decode
 from batchrnn.training.device import pick_device, uses_bf16
-from batchrnn.training.rundir import BEST, RESULTS
+from batchrnn.training.rundir import BEST, RESULTS, RunFolder
 from batchrnn.training.loop import score
 
 
@@ -110,14 +110,19 @@ def decode_runs(args) -> None:
                          "of runs")
     from batchrnn.decoding.tuning import decode_run  # loads torchaudio's decoder
 
-    decoded, unfinished, no_model = 0, 0, []
+    decoded, not_finished, no_model = 0, 0, []
     for folder in progress_bar(folders, desc="LM decoding", unit="run"):
-        results = json.loads((folder / RESULTS).read_text())
+        try:
+            results = json.loads((folder / RESULTS).read_text())
+        except ValueError as e:
+            raise UsageError(f"{folder / RESULTS}: not JSON ({e}); nothing was decoded from it on, and the runs "
+                             "before it are written: restore it (keep_results.sh keeps a copy) and run decode "
+                             "again") from e
         if results.get("status") != "finished":
-            unfinished += 1
+            not_finished += 1
             continue
-        if not (folder / BEST).is_file():
-            no_model.append(folder.name)
+        if fault := RunFolder(folder).best_fault(results["config"]):  # missing, damaged, or another model's
+            no_model.append(f"{folder.name} ({fault})")
             continue
         lm = decode_run(folder / BEST, decoding, data_config(results, args.data_root), device)
         write_json(folder / RESULTS, results | {"lm": lm})
@@ -125,9 +130,10 @@ def decode_runs(args) -> None:
         edge = f"; on the grid's edge ({', '.join(lm['at_edge'])})" if lm["at_edge"] else ""
         print(f"{folder}: test WER {100 * results['test_wer']:.2f}% greedy, {100 * lm['test_wer']:.2f}% with the "
               f"LM (weight {lm['lm_weight']:g}, word score {lm['word_score']:g}, {len(lm['grid'])} points{edge})")
-    print(f"decoded {decoded} finished runs with the LM {decoding.lm or '(the built 3-gram)'}; {unfinished} not "
-          f"finished, left alone" + (f"; {len(no_model)} finished without their {BEST}, keeping the lm they had: "
-                                     + ", ".join(no_model) if no_model else ""))
+    print(f"decoded {decoded} finished runs with the LM {decoding.lm or '(the built 3-gram)'}; {not_finished} not "
+          f"finished (running or diverged), left alone" + (
+              f"; {len(no_model)} finished without a usable {BEST}, keeping the lm they had: " + ", ".join(no_model)
+              if no_model else ""))
 
 
 def unfinished_run(path: Path) -> str | None:
@@ -220,12 +226,13 @@ def main(argv: list[str] | None = None) -> None:
     for command in (s, t, d):
         command.add_argument("--data-root", help="folder of the prepared corpus (default: the run's data.root)")
         if command is not d:
-            command.add_argument("--decoder", choices=[d.value for d in Decoder], default=Decoder.greedy.value,
+            command.add_argument("--decoder", choices=[x.value for x in Decoder], default=Decoder.greedy.value,
                                  help="beam: with a word LM, its LM weight and word score tuned on the run's "
                                       "validation split (docs/decoding.md); score prints greedy's figures too")
-        command.add_argument("--lm", help="--decoder beam: a KenLM ARPA or binary file (default: a 3-gram of the "
-                                          "training transcripts, built and cached under the data root)")
-        command.add_argument("--lexicon", help="--decoder beam: the words it may emit, one a line (default: the "
+        command.add_argument("--lm", help="with the beam (--decoder beam; decode always): a KenLM ARPA or binary "
+                                          "file (default: a 3-gram of the training transcripts, built and cached "
+                                          "under the data root)")
+        command.add_argument("--lexicon", help="with the beam: the words it may emit, one a line (default: the "
                                                "training words)")
         command.add_argument("--beam-size", type=int, default=DecodeConfig.beam_size)
         if command is not d:

@@ -45,6 +45,9 @@ def check(cfg: DecodeConfig) -> None:
         raise DecodeError(f"decode.beam_size={cfg.beam_size}: must be 1 or more")
     if not cfg.lm_weights or not cfg.word_scores:
         raise DecodeError("decode.lm_weights and decode.word_scores: the tuning grid needs at least one value each")
+    for key, values in (("decode.lm_weights", cfg.lm_weights), ("decode.word_scores", cfg.word_scores)):
+        if len(set(values)) < len(values):
+            raise DecodeError(f"{key}={list(values)}: a value twice; give each value once")
     if cfg.widen < 0:
         raise DecodeError(f"decode.widen={cfg.widen}: must be 0 or more (0: the grid as given)")
 

@@ -49,15 +49,20 @@ AXES = ("lm_weight", "word_score")
 
 def edges(best: dict, axes: tuple[list[float], list[float]]) -> list[tuple[int, str, float]]:
     """The grid's edges that the best point lies on and that can widen, as (axis, "high" or "low", the value past
-    it): a step past the edge as wide as the edge's own; the LM weights never below 0 (axis 0: LM weights, 1: word
-    scores). An axis of one value has no step to take."""
+    it): a step past the edge as wide as the edge's own; the LM weights never below 0, so their lowest is an edge
+    only above 0, and widens to 0 at most (axis 0: LM weights, 1: word scores). An axis of one value has no step
+    to take."""
     out = []
     for axis, values in enumerate(axes):
-        v = sorted(values)
+        v = sorted(set(values))
         if len(v) < 2:
             continue
         for edge, at, past in (("high", v[-1], v[-1] + (v[-1] - v[-2])), ("low", v[0], v[0] - (v[1] - v[0]))):
-            if best[AXES[axis]] == at and (axis == 1 or past >= 0):
+            if axis == 0 and edge == "low":
+                if at <= 0:
+                    continue
+                past = max(0.0, past)
+            if best[AXES[axis]] == at:
                 out.append((axis, edge, round(past, 9)))
     return out
 
@@ -103,9 +108,9 @@ def tune(search: BeamSearch, val: tuple[list, list[str]], test: tuple[list, list
 def decode_run(checkpoint: Path, cfg: DecodeConfig, data: DataConfig | None = None, device=torch.device("cpu"),
                progress: bool = False) -> dict:
     """The model of a best.pt decoded with the LM, tuned on its validation split, from the cache beside it when the
-    model, the LM and lexicon, the beam and the grid are the same. data: the run's own unless given (data.root,
-    data.lm_text). Returns results.json's `lm` entry: the LM's name, the chosen point, the grid's validation WERs,
-    test WER and CER and each test utterance's hypothesis."""
+    model, the LM and lexicon, the beam, the grid and decode.widen are the same. data: the run's own unless given
+    (data.root, data.lm_text). Returns results.json's `lm` entry: the LM's name, the chosen point, the grid's
+    validation WERs, test WER and CER and each test utterance's hypothesis."""
     check(cfg)
     checkpoint = Path(checkpoint)
     model, info = load_model(checkpoint, device)

@@ -673,8 +673,11 @@ def lm_family(rows: list[dict]) -> dict | None:
                                **{k: run["result"]["lm"][k] for k in ("lm_weight", "word_score", "val_wer",
                                                                        "beam_size")}}
                               for run in row["_finished"] if "lm" in run["result"]]
+        # the grid as given (widened runs decode more points, on the same rule)
         models |= {f"{lm['lm']} (sha256 {lm['lm_sha256'][:16]}, {'built here' if lm['lm_built'] else 'given'}, "
-                   f"beam {lm['beam_size']}, grid {len(lm['grid'])} points)" for lm in decoded}
+                   f"beam {lm['beam_size']}, grid {len(lm.get('lm_weights') or ())} x "
+                   f"{len(lm.get('word_scores') or ())}, widened up to {lm.get('widen', 0)} times an edge)"
+                   for lm in decoded}
         if decoded and len(decoded) == row["n"]:
             groups[row["group"]].append(row)
         elif row["n"]:

@@ -6,6 +6,7 @@ report or a second `score` reads it in a moment.
 import hashlib
 import json
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -76,7 +77,7 @@ def tune(search: BeamSearch, val: tuple[list, list[str]], test: tuple[list, list
     start = time.perf_counter()
     (val_e, val_refs), (test_e, test_refs, test_ids) = val, test
     axes = ([float(a) for a in lm_weights], [float(b) for b in word_scores])
-    scored, widened = {}, {}
+    scored, widened = {}, Counter()
     todo = [(a, b) for a in axes[0] for b in axes[1]]
     bar = progress_bar(total=len(todo), desc="LM grid on val", unit="point", disable=not progress)
     while todo:
@@ -87,8 +88,8 @@ def tune(search: BeamSearch, val: tuple[list, list[str]], test: tuple[list, list
             bar.update()
         best = min(scored.values(), key=lambda p: p["val_wer"])  # min keeps the first of equals
         for axis, edge, past in edges(best, axes):
-            if widened.get((axis, edge), 0) < widen:
-                widened[axis, edge] = widened.get((axis, edge), 0) + 1
+            if widened[axis, edge] < widen:
+                widened[axis, edge] += 1
                 axes[axis].append(past)
         todo = [(a, b) for a in axes[0] for b in axes[1] if (a, b) not in scored]
         bar.total += len(todo)

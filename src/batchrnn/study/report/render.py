@@ -395,9 +395,9 @@ def with_lm(summary: Summary) -> list[str]:
     edge = [f"{row['label']} s{c['seed']} ({', '.join(c['at_edge'])})" for row in summary.rows
             for c in row.get("lm_chosen", []) if c["at_edge"]]
     if edge:
-        lines += ["", f"‡ {len(edge)} run{'s' * (len(edge) > 1)} chose a point on an edge of the grid, where a wider grid might choose "
-                  "otherwise and decode better (`decode.widen` widens it past such an edge; a run decoded before "
-                  "that, or at its limit, stays there): " + "; ".join(edge) + "."]
+        lines += ["", f"‡ {len(edge)} run{'s' * (len(edge) > 1)} chose a point on an edge of the grid, where a "
+                  "wider grid might choose otherwise and decode better (`decode.widen` widens it past such an edge; a "
+                  "run decoded before that, or at its limit, stays there): " + "; ".join(edge) + "."]
     lines += ["", "### Head to head with the LM", "", "The head-to-head comparisons again, on each run's LM hypotheses: a "
               "second family, Holm-corrected on its own, never mixed with greedy's.", ""]
     lines += comparisons_table(lm["comparisons"])

@@ -22,7 +22,8 @@ before each measured pass), for torch and onnxruntime alike.
 
 Prints one table per size, rnn, batch and thread count as each is done, each followed by one JSON line per row.
 Each table ends with "none (2nd)", a second `none` model of another initialisation timed like the others: how far
-two models of one shape differ, the smallest difference a ratio of that table resolves.
+two models of one shape differ, the smallest difference a ratio of that table resolves. Beside each ratio, the
+quartiles of its per-round ratios (`ratio_quartiles` in the JSON): how far one round strays.
 --json PATH also writes those rows to PATH, one JSON object a line, each with the environment added: machine (host,
 CPU model from /proc/cpuinfo, boot, as results.json's), cpus (os.cpu_count()), torch, onnxruntime and date (the
 run's start). `python -m batchrnn.report SWEEP --inference PATH` puts them beside a study's results.
@@ -194,12 +195,16 @@ def bench(size: str, rnn: str, args):
             for (bn, way), t in times.items():
                 median = statistics.median(t)
                 # paired: each round's time over none's of the same round, then the median of those ratios
-                ratio = statistics.median(a / b for a, b in zip(t, times[(BNMode.none.value, way)]))
+                paired = [a / b for a, b in zip(t, times[(BNMode.none.value, way)])]
+                ratio = statistics.median(paired)
+                # the per-round ratios' quartiles: how far one round's ratio strays, beside the control's
+                quartiles = statistics.quantiles(paired, n=4) if len(paired) > 1 else [ratio, ratio, ratio]
                 rows.append({"size": size, "layers": model_cfg.num_layers, "hidden": model_cfg.hidden_size,
                              "rnn": rnn, "bn": bn, "backend": backend(BNMode.none.value if bn == CONTROL else bn,
                                                                       "fused"), "way": way,
                              "batch": batch, "threads": threads, "seconds": float(f"{median:.4g}"),
                              "rtf": float(f"{median / seconds:.4g}"), "time_ratio": round(ratio, 3),
+                             "ratio_quartiles": [round(quartiles[0], 3), round(quartiles[2], 3)],
                              "peak_mb": round(memory[(bn, way)], 1),
                              "mem_ratio": round(memory[(bn, way)] / memory[(BNMode.none.value, way)], 3),
                              "audio_s": round(seconds, 1), "utterances": len(feats), "rounds": args.rounds})
@@ -217,15 +222,18 @@ def table(rows: list[dict]) -> None:
         group = list(group)
         ways = [w for w in WAYS if any(r["way"] == w for r in group)]
         print(f"\n{size} ({group[0]['layers']}x{group[0]['hidden']}), {rnn}, batch {batch}, {threads} thread(s): "
-              f"real-time factor (x none's), peak MB; {group[0]['utterances']} utterances, "
+              f"real-time factor (x none's, the rounds' quartiles of it), peak MB; "
+              f"{group[0]['utterances']} utterances, "
               f"{group[0]['audio_s']} s of audio, median of {group[0]['rounds']} rounds")
-        print(f"{'bn':10} {'backend':7} " + " ".join(f"{w:>22}" for w in ways))
+        print(f"{'bn':10} {'backend':7} " + " ".join(f"{w:>33}" for w in ways))
         for bn in dict.fromkeys(r["bn"] for r in group):
             cells = []
             for w in ways:
                 r = next((r for r in group if r["bn"] == bn and r["way"] == w), None)
-                cells.append(f"{r['rtf']:.3g} ({r['time_ratio']:.2f}) {r['peak_mb']:6.0f}" if r else "-")
-            print(f"{bn:10} {group_backend(group, bn):7} " + " ".join(f"{c:>22}" for c in cells))
+                q1, q3 = r["ratio_quartiles"] if r else (0, 0)
+                cells.append(f"{r['rtf']:.3g} ({r['time_ratio']:.2f}, {q1:.2f}-{q3:.2f}) {r['peak_mb']:6.0f}"
+                             if r else "-")
+            print(f"{bn:10} {group_backend(group, bn):7} " + " ".join(f"{c:>33}" for c in cells))
 
 
 def main(argv: list[str] | None = None) -> None:

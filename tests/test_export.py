@@ -80,6 +80,24 @@ def test_folded_model_equals_the_trained_one_in_eval(rnn, bn, settings):
                                                             "Linear"}
 
 
+@pytest.mark.parametrize("rnn", ["gru", "lstm"])
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_folded_bn_and_wn_are_nones_model_with_other_values(rnn, bidirectional):
+    """What issue 54's 3% rests on where the bench cannot resolve it (5 x 1024 on a shared VM): folded post, input,
+    skip, seqwise and wn are folded none's modules, with its tensors' names, shapes and dtypes; only the values
+    differ. So they run the same kernels on the same shapes, and cost what none costs."""
+    def layout(bn):
+        model, cfg = trained(rnn, bn, torch.float32, bidirectional=bidirectional)
+        folded = export.fold(model, cfg)
+        return ([(name, type(m).__name__) for name, m in folded.named_modules()],
+                [(name, tuple(t.shape), t.dtype) for name, t in folded.state_dict().items()])
+
+    none = layout("none")
+    for bn in ["post", "input", "skip", "seqwise", "wn"]:
+        assert layout(bn) == none, bn
+    assert layout("ln") != none  # a frame scale more: ln costs more, and this check sees it
+
+
 @pytest.mark.parametrize("bn", ["none", "post", "seqwise", "ln"])
 def test_folded_model_on_the_harness_kernels_in_float32(bn):
     """The same weights through fused_recurrence (the CPU GRU's oneDNN lbr_gru, where built), as the bench
@@ -236,5 +254,6 @@ def test_inference_bench_times_every_variant_every_way(smoke_root, capsys, tmp_p
     assert sorted((r["bn"], r["way"]) for r in rows) == sorted(
         [(bn, way) for bn in [*FOLDED, bench.CONTROL] for way in bench.WAYS] + [("ln_full", "eval"), ("rbn", "eval")])
     assert all(r["rtf"] > 0 and r["peak_mb"] > 0 and r["utterances"] == 4 for r in rows), rows
-    assert all(r["time_ratio"] == 1 for r in rows if r["bn"] == "none")
+    assert all(r["time_ratio"] == 1 and r["ratio_quartiles"] == [1, 1] for r in rows if r["bn"] == "none")
+    assert all(r["ratio_quartiles"][0] <= r["time_ratio"] <= r["ratio_quartiles"][1] for r in rows), rows
     assert all(r["backend"] == "fused" for r in rows if r["bn"] == bench.CONTROL)  # none's second model

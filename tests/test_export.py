@@ -4,6 +4,7 @@ import importlib.util
 import json
 import os
 
+import onnx
 import pytest
 import soundfile as sf
 import torch
@@ -84,13 +85,16 @@ def test_folded_model_equals_the_trained_one_in_eval(rnn, bn, settings):
 @pytest.mark.parametrize("bidirectional", [True, False])
 def test_folded_bn_and_wn_are_nones_model_with_other_values(rnn, bidirectional):
     """What issue 54's 3% rests on where the bench cannot resolve it (5 x 1024 on a shared VM): folded post, input,
-    skip, seqwise and wn are folded none's modules, with its tensors' names, shapes and dtypes; only the values
-    differ. So they run the same kernels on the same shapes, and cost what none costs."""
+    skip, seqwise and wn are folded none's modules, with its tensors' names, shapes and dtypes, and export to
+    its ONNX graph; only the values differ. So they run the same kernels on the same shapes, and cost what none
+    costs, in every way the bench times."""
     def layout(bn):
         model, cfg = trained(rnn, bn, torch.float32, bidirectional=bidirectional)
         folded = export.fold(model, cfg)
+        graph = onnx.load_from_string(export.onnx_bytes(folded, FEATURES, {})).graph  # what onnxruntime runs
         return ([(name, type(m).__name__) for name, m in folded.named_modules()],
-                [(name, tuple(t.shape), t.dtype) for name, t in folded.state_dict().items()])
+                [(name, tuple(t.shape), t.dtype) for name, t in folded.state_dict().items()],
+                [n.op_type for n in graph.node], [(t.name, tuple(t.dims), t.data_type) for t in graph.initializer])
 
     none = layout("none")
     for bn in ["post", "input", "skip", "seqwise", "wn"]:

@@ -198,7 +198,7 @@ def bench(size: str, rnn: str, args):
                 paired = [a / b for a, b in zip(t, times[(BNMode.none.value, way)])]
                 ratio = statistics.median(paired)
                 # the per-round ratios' quartiles: how far one round's ratio strays, beside the control's
-                quartiles = statistics.quantiles(paired, n=4) if len(paired) > 1 else [ratio, ratio, ratio]
+                quartiles = statistics.quantiles(paired, n=4, method="inclusive") if len(paired) > 1 else [ratio] * 3
                 rows.append({"size": size, "layers": model_cfg.num_layers, "hidden": model_cfg.hidden_size,
                              "rnn": rnn, "bn": bn, "backend": backend(BNMode.none.value if bn == CONTROL else bn,
                                                                       "fused"), "way": way,

@@ -8,7 +8,7 @@ SWEEP ?= runs/an4_cpu_plateau
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
 
-$(STAMP): pyproject.toml src/batchrnn/layers/csrc/onednn_gru.cpp
+$(STAMP): pyproject.toml src/batchrnn/layers/csrc/onednn_gru.cpp src/batchrnn/layers/csrc/front_end.cpp
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install --quiet -e '.[dev]'
 	$(PY) -m batchrnn.layers.build --allow-fallback

@@ -42,15 +42,21 @@ def train(source: Path, out: Path, preset: str, rnn: str, bn: str, args) -> list
 def same_kernel(ref: str, before: Path) -> None:
     """Both sides load the CPU GRU's kernel from the one build in the virtual environment, which torch's extension
     loader rebuilds whenever the source's path changes (40 s, inside the first epoch, and under any other process
-    loading it then). So BEFORE's copy of the kernel module, when it is the working tree's, runs as the working
-    tree's file."""
-    kernel = ["src/batchrnn/layers/cpu_gru.py", "src/batchrnn/layers/csrc"]
-    if subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", ref, "--", *kernel]).returncode != 0:
-        sys.exit(f"error: {' and '.join(kernel)} differ between {ref} and the working tree, so the two sides would "
-                 "rebuild the CPU GRU's kernel in turn; compare commits with the same kernel")
-    module = ROOT / kernel[0]
-    (before / kernel[0]).write_text(f"__file__ = {str(module)!r}  # epoch_ab.py: the same file, at the working tree's "
-                                    f"path\nexec(compile(open(__file__).read(), __file__, 'exec'))\n")
+    loading it then). So BEFORE runs the working tree's kernel modules (cpu_gru.py and extensions.py, which builds
+    it) at the working tree's paths. That is honest only where BEFORE had the same kernel: the same
+    csrc/onednn_gru.cpp, and the same cpu_gru.py from its `extension()` on (how it is built may differ)."""
+    source, module = "src/batchrnn/layers/csrc/onednn_gru.cpp", "src/batchrnn/layers/cpu_gru.py"
+    runtime = lambda text: text[text.index("@functools.cache"):]  # noqa: E731
+    then = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:{module}"], capture_output=True, text=True).stdout
+    if subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", ref, "--", source]).returncode != 0 \
+            or "@functools.cache" not in then or runtime(then) != runtime((ROOT / module).read_text()):
+        sys.exit(f"error: the CPU GRU's kernel ({source}, or {module} from its extension() on) differs between {ref} "
+                 "and the working tree, so the two sides would rebuild it in turn; compare commits with the same kernel")
+    for name in ("cpu_gru.py", "extensions.py"):
+        path = ROOT / "src" / "batchrnn" / "layers" / name
+        (before / path.relative_to(ROOT)).write_text(
+            f"__file__ = {str(path)!r}  # epoch_ab.py: the working tree's file, at its path\n"
+            f"exec(compile(open(__file__).read(), __file__, 'exec'))\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from batchrnn.layers import cpu_gru
+from batchrnn.layers import cpu_front_end, cpu_gru
 from batchrnn.training.checkpoint import load_model
 from batchrnn.metrics import error_rates
 from batchrnn.training.rundir import BEST, CHECKPOINT, LOG, RESULTS, RunFolder
@@ -39,6 +39,7 @@ def test_smoke_run_writes_results(smoke, tmp_path):
     assert saved["params"] == sum(p.numel() for p in load_model(tmp_path / BEST)[0].parameters())
     assert saved["device"] == "cpu" and saved["machine"]
     assert saved["rnn"] == "gru" and saved["recurrence_kernel"] == cpu_gru.kernel_name()  # identity cannot see it
+    assert saved["front_end_kernel"] == cpu_front_end.kernel_name()
     assert saved["preset"] is None  # named by src/run.py from the experiment choice
     assert len(saved["test_utterances"]) == 12
     assert results["test_wer"] == saved["test_wer"]

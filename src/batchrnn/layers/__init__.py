@@ -1,7 +1,8 @@
 """The recurrent layers: one class per model.bn variant, all over the same bidirectional machinery.
 
 - base.py: what every variant shares (RecurrentLayer: directions, reversal, padding, the fused kernels and
-  the step loop); cpu_gru.py: the CPU GRU's oneDNN kernel.
+  the step loop); cpu_gru.py: the CPU GRU's oneDNN kernel; cpu_front_end.py: the conv front end's CPU kernel
+  (its training BatchNorm + Hardtanh); extensions.py: how both are compiled.
 - folds.py: the fold mathematics (masked moments, Gram, quadratic forms, MaskedBatchNorm).
 - one module per family of variants: plain.py (none, post, input), batchnorm.py (skip, seqwise),
   layernorm.py (ln, ln_full), recurrent_bn.py (rbn), weightnorm.py (wn).

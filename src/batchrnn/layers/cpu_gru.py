@@ -13,25 +13,22 @@ Only float32 goes through oneDNN (its RNNs have no float64): float64, as the exa
 from __future__ import annotations
 
 import functools
-import logging
-import os
 import sys
-import warnings
 from pathlib import Path
 
 import torch
 
+from batchrnn.layers.extensions import chosen, compile_extension, venv_directory
+
 ENV = "BATCHRNN_CPU_GRU"  # onednn (the default) or aten
 SOURCE = Path(__file__).with_name("csrc") / "onednn_gru.cpp"
 NAME = "batchrnn_onednn_gru"
-log = logging.getLogger(__name__)
 FIX = ("reinstall with `make venv` (it installs onednn-cpu-gomp, onednn-devel-cpu-gomp and ninja and builds the "
        "kernel), or set BATCHRNN_CPU_GRU=aten to silence this")
 
 
 def build_directory() -> Path:
-    """Inside the virtual environment, so that each checkout's .venv holds the kernel built from its own source."""
-    return Path(sys.prefix) / "share" / "batchrnn" / NAME
+    return venv_directory(NAME)
 
 
 def build(verbose: bool = False):
@@ -41,42 +38,16 @@ def build(verbose: bool = False):
         raise RuntimeError(f"oneDNN's headers are not in {prefix / 'include'} (onednn-devel-cpu-gomp is not installed)")
     if not any((prefix / "lib").glob("libdnnl.so*")):
         raise RuntimeError(f"oneDNN's library is not in {prefix / 'lib'} (onednn-cpu-gomp is not installed)")
-    try:  # PyPI's ninja puts its binary beside the interpreter's scripts, which need not be on PATH
-        import ninja
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    except ImportError:
-        pass
-    quiet = logging.getLogger("torch.utils.cpp_extension")  # "No CUDA runtime is found": true, and beside the point
-    level, quiet.level = quiet.level, logging.ERROR
-    try:
-        from torch.utils.cpp_extension import load
-    finally:
-        quiet.setLevel(level)
-
-    directory = build_directory()
-    directory.mkdir(parents=True, exist_ok=True)
-    if not any(directory.glob(f"{NAME}*.so")):
-        log.warning("building the oneDNN CPU GRU kernel into %s (once per environment, about a minute)", directory)
-    return load(NAME, [str(SOURCE)], build_directory=str(directory), verbose=verbose, extra_cflags=["-O2"],
-                extra_include_paths=[str(prefix / "include")],
-                extra_ldflags=[f"-L{prefix / 'lib'}", "-ldnnl", f"-Wl,-rpath,{prefix / 'lib'}"])
+    return compile_extension(NAME, [SOURCE], build_directory(), "oneDNN CPU GRU kernel", verbose,
+                             include=(prefix / "include",),
+                             ldflags=(f"-L{prefix / 'lib'}", "-ldnnl", f"-Wl,-rpath,{prefix / 'lib'}"))
 
 
 @functools.cache
 def extension():
     """The loaded extension, or None: BATCHRNN_CPU_GRU=aten, or it could not be built (one warning, naming why)."""
-    choice = os.environ.get(ENV, "onednn")
-    if choice not in ("onednn", "aten"):
-        raise ValueError(f"{ENV}={choice!r}: expected onednn (the default) or aten")
-    if choice == "aten":
-        return None
-    try:
-        return build()
-    except Exception as e:  # a missing compiler, library or header: the run goes on with torch's kernel
-        warnings.warn(f"batchrnn: the oneDNN CPU GRU kernel is unavailable ({type(e).__name__}: "
-                      f"{str(e).strip().splitlines()[-1] if str(e).strip() else e}); the CPU GRU runs torch's "
-                      f"step loop instead, about 2x slower. Fix: {FIX}.", RuntimeWarning, stacklevel=2)
-        return None
+    return chosen(ENV, "onednn", lambda: build(), "oneDNN CPU GRU kernel",
+                  "the CPU GRU runs torch's step loop instead, about 2x slower", FIX)
 
 
 def available() -> bool:

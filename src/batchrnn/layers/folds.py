@@ -6,6 +6,7 @@ import math
 import torch
 from torch import nn
 
+from batchrnn.layers import cpu_front_end
 from batchrnn.layers.base import full_precision
 from batchrnn.training.distributed import all_sum, ghosting
 
@@ -37,8 +38,9 @@ class MaskedBNHardtanh(torch.autograd.Function):
     the moments' and the affine map's elementwise passes over the model's largest tensors in turn. The forward
     computes what masked_moments (through centred_moments, whose centred x the backward keeps) and
     MaskedBatchNorm.normalize compute, value for value; the backward is the same gradient, rounded in another
-    order. Data-parallel: the batch-level sums of the backward are summed over the ranks (one all-reduce), as
-    autograd of all_sum would; a rank running a stand-in (ghost) passes no gradient to x.
+    order. On the CPU, where cpu_front_end's kernel is built, each stage is one C++ loop instead (the same
+    quantities, summed in double). Data-parallel: the batch-level sums of the backward are summed over the ranks
+    (one all-reduce), as autograd of all_sum would; a rank running a stand-in (ghost) passes no gradient to x.
     Returns y and the batch's mean and biased variance (no gradient: the running averages')."""
 
     @staticmethod
@@ -46,29 +48,51 @@ class MaskedBNHardtanh(torch.autograd.Function):
         dims = [d for d in range(x.dim()) if d != channel_dim % x.dim()]
         shape = [1] * x.dim()
         shape[channel_dim] = -1
-        centred, mean, var, count = centred_moments(x, mask, channel_dim)
-        mean, var = mean.flatten(), var.flatten()
+        kernel = cpu_front_end.takes(x, mask, channel_dim)
+        if kernel is None:
+            centred, mean, var, count = centred_moments(x, mask, channel_dim)
+            mean, var = mean.flatten(), var.flatten()
+        else:  # the same moments, each sum one loop over x; mask as (N, T)
+            x, mask = x.contiguous(), mask.reshape(x.shape[0], x.shape[3]).contiguous()
+            total, count = all_sum(kernel.masked_sums(x, mask), mask.sum() * x.shape[2])
+            mean = total / count
+            (var,) = all_sum(kernel.centred_square_sums(x, mask, mean) / count)
         inv_std = torch.rsqrt(var + eps)
         scale = weight * inv_std
-        # MaskedBatchNorm.normalize's x * scale + shift, then Hardtanh and the mask in place (no new tensors)
-        y = torch.addcmul((bias - mean * scale).view(shape), x, scale.view(shape)).clamp_(lo, hi).mul_(mask)
-        ctx.save_for_backward(centred, y, mask, inv_std, scale, count)  # lo < y < hi where lo < BN(x) < hi
-        ctx.shape, ctx.dims, ctx.lo, ctx.hi, ctx.ghost = shape, dims, lo, hi, ghosting()
+        shift = bias - mean * scale
+        if kernel is None:
+            # MaskedBatchNorm.normalize's x * scale + shift, then Hardtanh and the mask in place (no new tensors)
+            y = torch.addcmul(shift.view(shape), x, scale.view(shape)).clamp_(lo, hi).mul_(mask)
+            ctx.save_for_backward(centred, y, mask, inv_std, scale, count)  # lo < y < hi where lo < BN(x) < hi
+        else:
+            y = kernel.forward(x, mask, scale.contiguous(), shift.contiguous(), lo, hi)
+            ctx.save_for_backward(x, y, mask, inv_std, scale, count, mean)  # x and mean: the kernel centres anew
+        ctx.kernel, ctx.shape, ctx.dims, ctx.lo, ctx.hi, ctx.ghost = kernel, shape, dims, lo, hi, ghosting()
         ctx.mark_non_differentiable(mean, var, count)
         return y, mean, var, count
 
     @staticmethod
     def backward(ctx, grad_y, _mean, _var, _count):
-        centred, y, mask, inv_std, scale, count = ctx.saved_tensors
-        shape, dims = ctx.shape, ctx.dims
-        g = torch.ops.aten.hardtanh_backward(grad_y * mask, y, ctx.lo, ctx.hi)  # dL/dBN(x), 0 on padding
-        sum_g = g.sum(dims)
-        sum_gc = (g * centred).sum(dims)  # sum of g (x - mean) over valid positions
+        kernel, shape, dims = ctx.kernel, ctx.shape, ctx.dims
+        if kernel is None:
+            centred, y, mask, inv_std, scale, count = ctx.saved_tensors
+            g = torch.ops.aten.hardtanh_backward(grad_y * mask, y, ctx.lo, ctx.hi)  # dL/dBN(x), 0 on padding
+            sum_g = g.sum(dims)
+            sum_gc = (g * centred).sum(dims)  # sum of g (x - mean) over valid positions
+        else:
+            x, y, mask, inv_std, scale, count, mean = ctx.saved_tensors
+            grad_y = grad_y.contiguous()
+            sum_g, sum_gc = kernel.backward_sums(grad_y, y, x, mask, mean, ctx.lo, ctx.hi)
         grad_bias, grad_weight = sum_g, sum_gc * inv_std  # this rank's: DDP sums the parameters' gradients
         # x's gradient through the moments needs every rank's sums, as the moments did
         total_g, total_gc = all_sum(sum_g, sum_gc)
-        grad_x = g.mul_(scale.view(shape)).addcmul_(mask, (-scale * total_g / count).view(shape))
-        grad_x = grad_x.addcmul_(centred, (-scale * inv_std.square() * total_gc / count).view(shape))
+        on_mask, on_centred = -scale * total_g / count, -scale * inv_std.square() * total_gc / count
+        if kernel is None:
+            grad_x = g.mul_(scale.view(shape)).addcmul_(mask, on_mask.view(shape))
+            grad_x = grad_x.addcmul_(centred, on_centred.view(shape))
+        else:  # g scale + mask on_mask + (x - mean) mask on_centred, g recomputed from grad_y and y
+            grad_x = kernel.backward_x(grad_y, y, x, mask, mean, scale.contiguous(), on_mask.contiguous(),
+                                       on_centred.contiguous(), ctx.lo, ctx.hi)
         if ctx.ghost:
             grad_x = grad_x * 0
         return grad_x, None, grad_weight, grad_bias, None, None, None, None

@@ -24,6 +24,7 @@ from batchrnn.data.corpus import prepare_corpus, unwritable
 from batchrnn.training.device import machine, peak_memory_mb, pick_device, reset_peak_memory, synchronize, uses_bf16
 from batchrnn.data.features import FeatureSet, collate, load_features, make_batches
 from batchrnn.metrics import error_rates
+from batchrnn.layers import cpu_front_end
 from batchrnn.model import DeepSpeech2
 from batchrnn.training.identity import settings, variant_label
 from batchrnn.training import distributed, stopping
@@ -434,6 +435,8 @@ def results_of(cfg: DictConfig, preset: str | None, run: Run, progress: Progress
         # data-parallel ranks, each with a share of every batch (not identity: N ranks train the same run)
         "world_size": distributed.world_size(),
         "recurrence_kernel": run.model.rnns[0].recurrence_kernel(run.device),
+        # the conv front end's training BatchNorm + Hardtanh: "native" (layers.cpu_front_end) or torch's operations
+        "front_end_kernel": cpu_front_end.kernel_name() if run.device.type == "cpu" else "aten",
         "skipped_steps": progress.skipped_steps, "ctc_skipped_utterances": run.ctc_skipped,
         "corpus": run.corpus_summary,
         "commit": code_commit(),  # the code that trained it: a study's report names its commits

@@ -1,0 +1,58 @@
+"""The conv front end's training BatchNorm + Hardtanh on the CPU as C++ loops (csrc/front_end.cpp), built as a torch
+C++ extension.
+
+folds.MaskedBNHardtanh's stages as torch operations take one pass over the front end's largest tensors, and one new
+tensor, per elementwise operation: about eight forward and eight backward. Here each stage is one loop: the masked
+sum, the centred sum of squares, and the normalised, clipped and masked output; backward, the two per-channel sums
+and x's gradient. The per-channel sums run in double. It needs only a C++ compiler; `make venv` builds it, and a
+process that finds it unbuilt builds it once (about a minute). Where it cannot be built or loaded, the front end
+runs the torch operations, with one warning saying why. BATCHRNN_CPU_FRONT_END=aten chooses them on purpose (to
+compare the two); results.json records which ran (`front_end_kernel`).
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from batchrnn.layers.extensions import chosen, compile_extension, venv_directory
+
+ENV = "BATCHRNN_CPU_FRONT_END"  # native (the default) or aten
+SOURCE = Path(__file__).with_name("csrc") / "front_end.cpp"
+NAME = "batchrnn_front_end"
+FIX = "reinstall with `make venv` (it builds the kernel; it needs a C++ compiler), or set BATCHRNN_CPU_FRONT_END=aten"
+
+
+def build_directory() -> Path:
+    return venv_directory(NAME)
+
+
+def build(verbose: bool = False):
+    """Compile (when the source, flags or torch changed) and import the extension; raises with the reason."""
+    # -fopenmp-simd: the row loops' `omp simd` reductions vectorise (no OpenMP runtime); each is compiled for
+    # AVX-512, AVX2 and the baseline (target_clones), so one build runs on every x86-64 CPU
+    return compile_extension(NAME, [SOURCE], build_directory(), "conv front end's CPU kernel", verbose,
+                             cflags=("-O3", "-fopenmp-simd"))
+
+
+@functools.cache
+def extension():
+    """The loaded extension, or None: BATCHRNN_CPU_FRONT_END=aten, or it could not be built (one warning, why)."""
+    return chosen(ENV, "native", lambda: build(), "conv front end's CPU kernel",
+                  "its BatchNorm and Hardtanh run as torch operations instead, a few percent slower a step", FIX)
+
+
+def kernel_name() -> str:
+    """What the CPU front end's training BatchNorm + Hardtanh runs, as results.json records it."""
+    return "native" if extension() is not None else "aten"
+
+
+def takes(x: torch.Tensor, mask: torch.Tensor, channel_dim: int):
+    """The extension, where it computes this call: x a CPU float32 or float64 (N, C, F, T) with channels at dim 1
+    and mask (N, 1, 1, T), as the conv front end has them; None otherwise (the torch operations run)."""
+    if x.device.type != "cpu" or x.dim() != 4 or channel_dim % 4 != 1 or x.dtype not in (torch.float32, torch.float64):
+        return None
+    if mask.shape != (x.shape[0], 1, 1, x.shape[3]):
+        return None
+    return extension()

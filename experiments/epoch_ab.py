@@ -44,18 +44,18 @@ def same_kernel(ref: str, before: Path) -> None:
     loader rebuilds whenever the source's path changes (40 s, inside the first epoch, and under any other process
     loading it then). So BEFORE runs the working tree's kernel modules (cpu_gru.py and extensions.py, which builds
     it) at the working tree's paths. That is honest only where BEFORE had the same kernel: the same
-    csrc/onednn_gru.cpp, and the same cpu_gru.py from its `extension()` on (how it is built may differ)."""
+    csrc/onednn_gru.cpp, and the same cpu_gru.py from `available()` on (how it is built and loaded may differ)."""
     source, module = "src/batchrnn/layers/csrc/onednn_gru.cpp", "src/batchrnn/layers/cpu_gru.py"
-    runtime = lambda text: text[text.index("@functools.cache"):]  # noqa: E731
+    runtime = lambda text: text[text.index("def available()"):]  # noqa: E731
     then = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:{module}"], capture_output=True, text=True).stdout
     if subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", ref, "--", source]).returncode != 0 \
-            or "@functools.cache" not in then or runtime(then) != runtime((ROOT / module).read_text()):
-        sys.exit(f"error: the CPU GRU's kernel ({source}, or {module} from its extension() on) differs between {ref} "
-                 "and the working tree, so the two sides would rebuild it in turn; compare commits with the same kernel")
+            or "def available()" not in then or runtime(then) != runtime((ROOT / module).read_text()):
+        sys.exit(f"error: the CPU GRU's kernel ({source}, or {module} from available() on) differs between {ref} and "
+                 "the working tree, so the two sides would rebuild it in turn; compare commits with the same kernel")
     for name in ("cpu_gru.py", "extensions.py"):
         path = ROOT / "src" / "batchrnn" / "layers" / name
         (before / path.relative_to(ROOT)).write_text(
-            f"__file__ = {str(path)!r}  # epoch_ab.py: the working tree's file, at its path\n"
+            f"__file__ = {str(path)!r}  # epoch_ab.py: the working tree's, at its path\n"
             f"exec(compile(open(__file__).read(), __file__, 'exec'))\n")
 
 

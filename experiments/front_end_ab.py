@@ -9,7 +9,7 @@ SpecAugment, forward, CTC, backward, clipping and AdamW. Prints each way's media
 first way's.
 
     python experiments/front_end_ab.py --root /work/main/data                         # aten against native
-    python experiments/front_end_ab.py --root /work/main/data --ways separate,aten    # the function against the operations
+    python experiments/front_end_ab.py --root /work/main/data --ways separate,aten    # the function, the operations
 """
 import argparse
 import copy
@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--root", default="data", help="the prepared corpus (data.root)")
     p.add_argument("--variants", default="gru:none,lstm:seqwise", help="rnn:bn, comma-separated")
     p.add_argument("--steps", type=int, default=24, help="training batches, each taken every way")
-    p.add_argument("--ways", default="aten,native", help="of separate, aten, native; comma-separated, the first the base")
+    p.add_argument("--ways", default="aten,native",
+                   help="of separate, aten, native; comma-separated, the first the base")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     kernel = cpu_front_end.extension()

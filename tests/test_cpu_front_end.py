@@ -29,13 +29,17 @@ def test_the_kernel_is_built():
     assert cpu_front_end.kernel_name() == "native", "run .venv/bin/python -m batchrnn.layers.build -v"
 
 
-def front_end_step(dtype: torch.dtype, kernel: bool, monkeypatch) -> list[torch.Tensor]:
+def front_end_step(dtype: torch.dtype, kernel: bool, monkeypatch, poison: bool = False) -> list[torch.Tensor]:
     """The front end's training step of one MaskedBatchNorm on a conv-shaped padded batch whose padding holds large
     values (a conv's output there is not 0) and whose valid values reach both of Hardtanh's edges: y, the gradients
-    of x, gain and shift, and the running averages."""
+    of x, gain and shift, and the running averages. poison: the gradient reaching y is inf on padding and NaN where
+    Hardtanh clips, which hardtanh_backward drops."""
+    ran = []
     with monkeypatch.context() as m:
         if not kernel:
             m.setattr(cpu_front_end, "extension", lambda: None)
+        takes = cpu_front_end.takes
+        m.setattr(cpu_front_end, "takes", lambda *args: ran.append(takes(*args)) or ran[-1])
         torch.manual_seed(0)
         lengths = torch.tensor([37, 30, 11, 4])
         x = torch.randn(4, 5, 6, 37, dtype=torch.float64) * 6 + 2  # (N, C, F, T)
@@ -47,8 +51,12 @@ def front_end_step(dtype: torch.dtype, kernel: bool, monkeypatch) -> list[torch.
             bn.weight.uniform_(2, 8)
             bn.bias.uniform_(0, 5)
         y = bn.hardtanh(x, mask, 0.0, 5.0, channel_dim=1)
+        if poison:
+            grad = torch.where(mask.bool(), grad, torch.inf)
+            grad = torch.where((y.detach() == 0) & mask.bool() | (y.detach() == 5), torch.nan, grad)
         y.backward(grad)
         assert ((y == 0) & (mask > 0)).any() and (y == 5).any(), "the batch must reach both edges"
+        assert ran and all((r is not None) == kernel for r in ran), "the kernel ran (or not) as asked"
         return [y.detach(), x.grad, bn.weight.grad, bn.bias.grad, bn.running_mean, bn.running_var]
 
 
@@ -69,6 +77,14 @@ def test_the_kernel_computes_the_torch_operations(monkeypatch):
         error = {k: float((v.double() - r).abs().max()) / scale for k, v in (("kernel", a), ("torch", b))}
         assert error["kernel"] <= 10 * error["torch"] + FLOAT32_ULPS, (name, error)
     assert float(ours[1][3, :, :, 4:].abs().max()) == 0, "padding must receive no gradient"
+
+
+@needs_kernel
+def test_a_non_finite_gradient_where_hardtanh_is_flat_is_dropped_as_torch_drops_it(monkeypatch):
+    ours, theirs = (front_end_step(torch.float64, kernel, monkeypatch, poison=True) for kernel in (True, False))
+    for a, b, name in zip(ours, theirs, NAMES):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=name)
 
 
 @needs_kernel

@@ -1,14 +1,7 @@
-"""The conv front end's training BatchNorm + Hardtanh on the CPU as C++ loops (csrc/front_end.cpp), built as a torch
-C++ extension.
-
-folds.MaskedBNHardtanh's stages as torch operations take one pass over the front end's largest tensors, and one new
-tensor, per elementwise operation: about eight forward and eight backward. Here each stage is one loop: the masked
-sum, the centred sum of squares, and the normalised, clipped and masked output; backward, the two per-channel sums
-and x's gradient. The per-channel sums run in double. It needs only a C++ compiler; `make venv` builds it, and a
-process that finds it unbuilt builds it once (about a minute). Where it cannot be built or loaded, the front end
-runs the torch operations, with one warning saying why. BATCHRNN_CPU_FRONT_END=aten chooses them on purpose (to
-compare the two); results.json records which ran (`front_end_kernel`).
-"""
+"""The conv front end's training BatchNorm + Hardtanh on the CPU as C++ loops (csrc/front_end.cpp), a torch extension
+that `make venv` builds: folds.MaskedBNHardtanh's stages, each one pass over x, where torch's operations take a pass
+per elementwise operation (about eight a direction). Where it cannot be built, torch's operations run, with one
+warning; BATCHRNN_CPU_FRONT_END=aten chooses them on purpose. results.json records which ran (`front_end_kernel`)."""
 from __future__ import annotations
 
 import functools
@@ -21,6 +14,7 @@ from batchrnn.layers.extensions import chosen, compile_extension, venv_directory
 ENV = "BATCHRNN_CPU_FRONT_END"  # native (the default) or aten
 SOURCE = Path(__file__).with_name("csrc") / "front_end.cpp"
 NAME = "batchrnn_front_end"
+WHAT, INSTEAD = "conv front end's CPU kernel", "its BatchNorm and Hardtanh run as torch operations instead"
 FIX = "reinstall with `make venv` (it builds the kernel; it needs a C++ compiler), or set BATCHRNN_CPU_FRONT_END=aten"
 
 
@@ -32,15 +26,14 @@ def build(verbose: bool = False):
     """Compile (when the source, flags or torch changed) and import the extension; raises with the reason."""
     # -fopenmp-simd: the row loops' `omp simd` reductions vectorise (no OpenMP runtime); each is compiled for
     # AVX-512, AVX2 and the baseline (target_clones), so one build runs on every x86-64 CPU
-    return compile_extension(NAME, [SOURCE], build_directory(), "conv front end's CPU kernel", verbose,
+    return compile_extension(NAME, [SOURCE], build_directory(), WHAT, verbose,
                              cflags=("-O3", "-fopenmp-simd"))
 
 
 @functools.cache
 def extension():
     """The loaded extension, or None: BATCHRNN_CPU_FRONT_END=aten, or it could not be built (one warning, why)."""
-    return chosen(ENV, "native", lambda: build(), "conv front end's CPU kernel",
-                  "its BatchNorm and Hardtanh run as torch operations instead, a few percent slower a step", FIX)
+    return chosen(ENV, "native", lambda: build(), WHAT, INSTEAD, FIX)
 
 
 def kernel_name() -> str:

@@ -23,6 +23,7 @@ from batchrnn.layers.extensions import chosen, compile_extension, venv_directory
 ENV = "BATCHRNN_CPU_GRU"  # onednn (the default) or aten
 SOURCE = Path(__file__).with_name("csrc") / "onednn_gru.cpp"
 NAME = "batchrnn_onednn_gru"
+WHAT, INSTEAD = "oneDNN CPU GRU kernel", "the CPU GRU runs torch's step loop instead, about 2x slower"
 FIX = ("reinstall with `make venv` (it installs onednn-cpu-gomp, onednn-devel-cpu-gomp and ninja and builds the "
        "kernel), or set BATCHRNN_CPU_GRU=aten to silence this")
 
@@ -38,7 +39,7 @@ def build(verbose: bool = False):
         raise RuntimeError(f"oneDNN's headers are not in {prefix / 'include'} (onednn-devel-cpu-gomp is not installed)")
     if not any((prefix / "lib").glob("libdnnl.so*")):
         raise RuntimeError(f"oneDNN's library is not in {prefix / 'lib'} (onednn-cpu-gomp is not installed)")
-    return compile_extension(NAME, [SOURCE], build_directory(), "oneDNN CPU GRU kernel", verbose,
+    return compile_extension(NAME, [SOURCE], build_directory(), WHAT, verbose,
                              include=(prefix / "include",),
                              ldflags=(f"-L{prefix / 'lib'}", "-ldnnl", f"-Wl,-rpath,{prefix / 'lib'}"))
 
@@ -46,8 +47,7 @@ def build(verbose: bool = False):
 @functools.cache
 def extension():
     """The loaded extension, or None: BATCHRNN_CPU_GRU=aten, or it could not be built (one warning, naming why)."""
-    return chosen(ENV, "onednn", lambda: build(), "oneDNN CPU GRU kernel",
-                  "the CPU GRU runs torch's step loop instead, about 2x slower", FIX)
+    return chosen(ENV, "onednn", lambda: build(), WHAT, INSTEAD, FIX)
 
 
 def available() -> bool:

@@ -18,7 +18,8 @@ def venv_directory(name: str) -> Path:
 
 
 def compile_extension(name: str, sources: list[Path], directory: Path, what: str, verbose: bool = False,
-                      cflags: tuple[str, ...] = ("-O2",), include: tuple[Path, ...] = (), ldflags: tuple[str, ...] = ()):
+                      cflags: tuple[str, ...] = ("-O2",), include: tuple[Path, ...] = (),
+                      ldflags: tuple[str, ...] = ()):
     """Compile (when a source, the flags or torch changed) and import the extension; raises with the reason."""
     try:  # PyPI's ninja puts its binary beside the interpreter's scripts, which need not be on PATH
         import ninja

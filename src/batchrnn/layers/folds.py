@@ -35,12 +35,13 @@ def centred_moments(x: torch.Tensor, mask: torch.Tensor, channel_dim: int):
 class MaskedBNHardtanh(torch.autograd.Function):
     """Training's BatchNorm over valid positions, then Hardtanh(lo, hi), padding zeroed: the conv front end's
     step, with the backward written out (BatchNorm's closed form), where autograd would differentiate each of
-    the moments' and the affine map's elementwise passes over the model's largest tensors in turn. The forward
-    computes what masked_moments (through centred_moments, whose centred x the backward keeps) and
-    MaskedBatchNorm.normalize compute, value for value; the backward is the same gradient, rounded in another
-    order. On the CPU, where cpu_front_end's kernel is built, each stage is one C++ loop instead (the same
-    quantities, summed in double). Data-parallel: the batch-level sums of the backward are summed over the ranks
-    (one all-reduce), as autograd of all_sum would; a rank running a stand-in (ghost) passes no gradient to x.
+    the moments' and the affine map's elementwise passes over the model's largest tensors in turn. As torch
+    operations, the forward computes what masked_moments (through centred_moments, whose centred x the backward
+    keeps) and MaskedBatchNorm.normalize compute, value for value; the backward is the same gradient, rounded in
+    another order. On the CPU, where cpu_front_end's kernel is built, each stage is one C++ loop instead: the same
+    quantities, their sums in double until every rank's is summed. Data-parallel: the batch-level sums of the
+    backward are summed over the ranks (one all-reduce), as autograd of all_sum would; a rank running a stand-in
+    (ghost) passes no gradient to x.
     Returns y and the batch's mean and biased variance (no gradient: the running averages')."""
 
     @staticmethod
@@ -52,11 +53,12 @@ class MaskedBNHardtanh(torch.autograd.Function):
         if kernel is None:
             centred, mean, var, count = centred_moments(x, mask, channel_dim)
             mean, var = mean.flatten(), var.flatten()
-        else:  # the same moments, each sum one loop over x; mask as (N, T)
+        else:  # the same moments, each sum one loop over x, in double until every rank's is summed; mask as (N, T)
             x, mask = x.contiguous(), mask.reshape(x.shape[0], x.shape[3]).contiguous()
             total, count = all_sum(kernel.masked_sums(x, mask), mask.sum() * x.shape[2])
-            mean = total / count
-            (var,) = all_sum(kernel.centred_square_sums(x, mask, mean) / count)
+            mean = (total / count).to(x.dtype)
+            (var,) = all_sum(kernel.centred_square_sums(x, mask, mean))
+            var = (var / count).to(x.dtype)
         inv_std = torch.rsqrt(var + eps)
         scale = weight * inv_std
         shift = bias - mean * scale
@@ -79,20 +81,22 @@ class MaskedBNHardtanh(torch.autograd.Function):
             g = torch.ops.aten.hardtanh_backward(grad_y * mask, y, ctx.lo, ctx.hi)  # dL/dBN(x), 0 on padding
             sum_g = g.sum(dims)
             sum_gc = (g * centred).sum(dims)  # sum of g (x - mean) over valid positions
-        else:
+        else:  # the sums in double, as the moments' (the kernel recomputes g from grad_y and y)
             x, y, mask, inv_std, scale, count, mean = ctx.saved_tensors
             grad_y = grad_y.contiguous()
             sum_g, sum_gc = kernel.backward_sums(grad_y, y, x, mask, mean, ctx.lo, ctx.hi)
-        grad_bias, grad_weight = sum_g, sum_gc * inv_std  # this rank's: DDP sums the parameters' gradients
+        # this rank's: DDP sums the parameters' gradients
+        grad_bias, grad_weight = sum_g.to(scale.dtype), (sum_gc * inv_std).to(scale.dtype)
         # x's gradient through the moments needs every rank's sums, as the moments did
         total_g, total_gc = all_sum(sum_g, sum_gc)
-        on_mask, on_centred = -scale * total_g / count, -scale * inv_std.square() * total_gc / count
+        on_mask = (-scale * total_g / count).to(scale.dtype)
+        on_centred = (-scale * inv_std.square() * total_gc / count).to(scale.dtype)
         if kernel is None:
             grad_x = g.mul_(scale.view(shape)).addcmul_(mask, on_mask.view(shape))
             grad_x = grad_x.addcmul_(centred, on_centred.view(shape))
-        else:  # g scale + mask on_mask + (x - mean) mask on_centred, g recomputed from grad_y and y
-            grad_x = kernel.backward_x(grad_y, y, x, mask, mean, scale.contiguous(), on_mask.contiguous(),
-                                       on_centred.contiguous(), ctx.lo, ctx.hi)
+        else:  # g scale + mask on_mask + (x - mean) mask on_centred
+            grad_x = kernel.backward_x(grad_y, y, x, mask, mean, scale.contiguous(), on_mask, on_centred, ctx.lo,
+                                       ctx.hi)
         if ctx.ghost:
             grad_x = grad_x * 0
         return grad_x, None, grad_weight, grad_bias, None, None, None, None

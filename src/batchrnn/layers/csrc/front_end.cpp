@@ -1,53 +1,74 @@
 // The conv front end's training BatchNorm over valid positions, then Hardtanh(lo, hi) and the padding mask, over
-// x (N, C, F, T) and its mask (N, T): batchrnn.layers.folds.MaskedBNHardtanh's passes, each stage one loop over the
-// tensor where the separate operations take one pass (and one new tensor) each. The sums per channel run in double
-// (for float32 x as for float64), one channel at a time, so they do not depend on the thread count. Each row loop
-// is compiled for AVX-512, AVX2 and the baseline, the CPU's best picked when the library loads (target_clones).
+// x (N, C, F, T) and its mask (N, T): batchrnn.layers.folds.MaskedBNHardtanh's stages, each one loop over the tensor
+// where torch's operations take a pass each. The sums per channel run in double (for float32 x as for float64), one
+// channel at a time, so they do not depend on the thread count. On x86-64 each row loop is compiled for AVX-512, AVX2
+// and the baseline, the CPU's best picked when the library loads (target_clones).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <cstdint>
+#include <cstring>
+
 namespace batchrnn_front_end {
 
+#if defined(__x86_64__) && defined(__GNUC__)
 #define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#define ROWS(S)                                                                                                    \
-  CLONES double row_sum(const S* x, const S* m, int64_t T) {                                                      \
-    double acc = 0;                                                                                                \
-    _Pragma("omp simd reduction(+ : acc)") for (int64_t t = 0; t < T; ++t) acc += static_cast<double>(x[t] * m[t]); \
-    return acc;                                                                                                    \
-  }                                                                                                                \
-  CLONES double row_centred_square(const S* x, const S* m, S mu, int64_t T) {                                     \
-    double acc = 0;                                                                                                \
-    _Pragma("omp simd reduction(+ : acc)") for (int64_t t = 0; t < T; ++t) {                                      \
-      const S d = (x[t] - mu) * m[t];                                                                              \
-      acc += static_cast<double>(d * d);                                                                           \
-    }                                                                                                              \
-    return acc;                                                                                                    \
-  }                                                                                                                \
-  CLONES void row_forward(const S* x, const S* m, S* y, S scale, S shift, S lo, S hi, int64_t T) {                \
-    _Pragma("omp simd") for (int64_t t = 0; t < T; ++t) {                                                         \
-      const S v = x[t] * scale + shift;                                                                            \
-      y[t] = (v < lo ? lo : (v > hi ? hi : v)) * m[t];                                                             \
-    }                                                                                                              \
-  }                                                                                                                \
-  /* g: the gradient reaching BN(x), dy where lo < y < hi on a valid position, else 0 (hardtanh_backward's rule, as a */ \
-  /* product: a select here keeps gcc from vectorizing; a non-finite dy where g is 0 then makes the sums non-finite) */ \
-  CLONES void row_backward_sums(const S* dy, const S* y, const S* x, const S* m, S mu, S lo, S hi, int64_t T,       \
-                                double& sum_g, double& sum_gc) {                                                   \
-    double a = 0, b = 0;                                                                                           \
-    _Pragma("omp simd reduction(+ : a, b)") for (int64_t t = 0; t < T; ++t) {                                     \
-      const S g = dy[t] * (static_cast<S>((y[t] > lo) & (y[t] < hi)) * m[t]);                                                  \
-      a += static_cast<double>(g);                                                                                 \
-      b += static_cast<double>(g * ((x[t] - mu) * m[t]));                                                          \
-    }                                                                                                              \
-    sum_g += a;                                                                                                    \
-    sum_gc += b;                                                                                                   \
-  }                                                                                                                \
-  CLONES void row_backward_x(const S* dy, const S* y, const S* x, const S* m, S* dx, S mu, S scale, S on_mask,     \
-                             S on_centred, S lo, S hi, int64_t T) {                                                \
-    _Pragma("omp simd") for (int64_t t = 0; t < T; ++t) {                                                         \
-      const S g = dy[t] * (static_cast<S>((y[t] > lo) & (y[t] < hi)) * m[t]);                                                  \
-      dx[t] = g * scale + m[t] * on_mask + ((x[t] - mu) * m[t]) * on_centred;                                      \
-    }                                                                                                              \
+#else
+#define CLONES
+#endif
+
+// v where keep, else +0: hardtanh_backward's select, as a bitwise and, which gcc vectorises (a select it did not).
+// A non-finite v where keep is false gives 0, as the select does.
+template <typename S, typename U>
+inline S keep_if(bool keep, S v) {
+  static_assert(sizeof(S) == sizeof(U), "same width");
+  U bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  bits &= U(0) - U(keep);
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+inline float keep_if(bool keep, float v) { return keep_if<float, uint32_t>(keep, v); }
+inline double keep_if(bool keep, double v) { return keep_if<double, uint64_t>(keep, v); }
+
+#define ROWS(S)                                                                                                       \
+  CLONES double row_sum(const S* x, const S* m, int64_t T) {                                                          \
+    double acc = 0;                                                                                                   \
+    _Pragma("omp simd reduction(+ : acc)") for (int64_t t = 0; t < T; ++t) acc += static_cast<double>(x[t] * m[t]);   \
+    return acc;                                                                                                       \
+  }                                                                                                                   \
+  CLONES double row_centred_square(const S* x, const S* m, S mu, int64_t T) {                                         \
+    double acc = 0;                                                                                                   \
+    _Pragma("omp simd reduction(+ : acc)") for (int64_t t = 0; t < T; ++t) {                                          \
+      const S d = (x[t] - mu) * m[t];                                                                                 \
+      acc += static_cast<double>(d * d);                                                                              \
+    }                                                                                                                 \
+    return acc;                                                                                                       \
+  }                                                                                                                   \
+  CLONES void row_forward(const S* x, const S* m, S* y, S scale, S shift, S lo, S hi, int64_t T) {                    \
+    _Pragma("omp simd") for (int64_t t = 0; t < T; ++t) {                                                             \
+      const S v = x[t] * scale + shift;                                                                               \
+      y[t] = (v < lo ? lo : (v > hi ? hi : v)) * m[t];                                                                \
+    }                                                                                                                 \
+  }                                                                                                                   \
+  /* g: the gradient reaching BN(x): dy * m where lo < y < hi, else 0 (hardtanh_backward's rule) */                   \
+  CLONES void row_backward_sums(const S* dy, const S* y, const S* x, const S* m, S mu, S lo, S hi, int64_t T,         \
+                                double& sum_g, double& sum_gc) {                                                      \
+    double a = 0, b = 0;                                                                                              \
+    _Pragma("omp simd reduction(+ : a, b)") for (int64_t t = 0; t < T; ++t) {                                         \
+      const S g = keep_if((y[t] > lo) & (y[t] < hi), dy[t] * m[t]);                                                   \
+      a += static_cast<double>(g);                                                                                    \
+      b += static_cast<double>(g * ((x[t] - mu) * m[t]));                                                             \
+    }                                                                                                                 \
+    sum_g += a;                                                                                                       \
+    sum_gc += b;                                                                                                      \
+  }                                                                                                                   \
+  CLONES void row_backward_x(const S* dy, const S* y, const S* x, const S* m, S* dx, S mu, S scale, S on_mask,        \
+                             S on_centred, S lo, S hi, int64_t T) {                                                   \
+    _Pragma("omp simd") for (int64_t t = 0; t < T; ++t) {                                                             \
+      const S g = keep_if((y[t] > lo) & (y[t] < hi), dy[t] * m[t]);                                                   \
+      dx[t] = g * scale + m[t] * on_mask + ((x[t] - mu) * m[t]) * on_centred;                                         \
+    }                                                                                                                 \
   }
 ROWS(float)
 ROWS(double)
@@ -60,7 +81,8 @@ struct Shape {
   int64_t row(int64_t n, int64_t c, int64_t f) const { return ((n * C + c) * F + f) * T; }
 };
 
-void check(const torch::Tensor& x, const torch::Tensor& mask, std::initializer_list<torch::Tensor> like_x) {
+void check(const torch::Tensor& x, const torch::Tensor& mask, std::initializer_list<torch::Tensor> like_x,
+           std::initializer_list<torch::Tensor> per_channel) {
   TORCH_CHECK(x.dim() == 4 && x.is_contiguous() && x.device().is_cpu() &&
                   (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kDouble),
               "x: a contiguous float32 or float64 CPU tensor (N, C, F, T)");
@@ -69,20 +91,24 @@ void check(const torch::Tensor& x, const torch::Tensor& mask, std::initializer_l
   for (const auto& t : like_x)
     TORCH_CHECK(t.sizes() == x.sizes() && t.is_contiguous() && t.scalar_type() == x.scalar_type(),
                 "every (N, C, F, T) operand contiguous, x's shape and dtype");
+  for (const auto& t : per_channel)
+    TORCH_CHECK(t.dim() == 1 && t.numel() == x.size(1) && t.scalar_type() == x.scalar_type(),
+                "every per-channel operand (C,), x's dtype");
 }
 
-// For each channel, its sum of rows(n, f) -> double: the channels split over torch's threads.
-template <typename S, typename Row>
+// For each channel, its sum of rows(n, f), in double (kept so until the ranks' sums are summed): the channels split
+// over torch's threads.
+template <typename Row>
 torch::Tensor per_channel(const torch::Tensor& x, Row row) {
   const Shape s(x);
-  auto out = torch::empty({s.C}, x.options());
-  S* o = out.data_ptr<S>();
+  auto out = torch::empty({s.C}, x.options().dtype(torch::kDouble));
+  double* o = out.data_ptr<double>();
   at::parallel_for(0, s.C, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       double acc = 0;
       for (int64_t n = 0; n < s.N; ++n)
         for (int64_t f = 0; f < s.F; ++f) acc += row(s.row(n, c, f), n, c);
-      o[c] = static_cast<S>(acc);
+      o[c] = acc;
     }
   });
   return out;
@@ -99,25 +125,25 @@ void each_row(const torch::Tensor& x, Row row) {
   });
 }
 
-// The sum over valid positions of each channel: sum of x * mask.
+// The sum over valid positions of each channel: sum of x * mask (double).
 torch::Tensor masked_sums(const torch::Tensor& x, const torch::Tensor& mask) {
-  check(x, mask, {});
+  check(x, mask, {}, {});
   return AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "masked_sums", [&] {
     const scalar_t *px = x.data_ptr<scalar_t>(), *pm = mask.data_ptr<scalar_t>();
     const int64_t T = x.size(3);
-    return per_channel<scalar_t>(x, [&](int64_t o, int64_t n, int64_t) { return row_sum(px + o, pm + n * T, T); });
+    return per_channel(x, [&](int64_t o, int64_t n, int64_t) { return row_sum(px + o, pm + n * T, T); });
   });
 }
 
-// The sum over valid positions of each channel's ((x - mean) * mask)^2.
+// The sum over valid positions of each channel's ((x - mean) * mask)^2 (double).
 torch::Tensor centred_square_sums(const torch::Tensor& x, const torch::Tensor& mask, const torch::Tensor& mean) {
-  check(x, mask, {});
+  check(x, mask, {}, {mean});
   return AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "centred_square_sums", [&] {
     const scalar_t *px = x.data_ptr<scalar_t>(), *pm = mask.data_ptr<scalar_t>();
     const auto mu = mean.contiguous();
     const scalar_t* pmu = mu.data_ptr<scalar_t>();
     const int64_t T = x.size(3);
-    return per_channel<scalar_t>(x, [&](int64_t o, int64_t n, int64_t c) {
+    return per_channel(x, [&](int64_t o, int64_t n, int64_t c) {
       return row_centred_square(px + o, pm + n * T, pmu[c], T);
     });
   });
@@ -126,7 +152,7 @@ torch::Tensor centred_square_sums(const torch::Tensor& x, const torch::Tensor& m
 // Hardtanh(lo, hi) of x * scale + shift, times the mask.
 torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& mask, const torch::Tensor& scale,
                       const torch::Tensor& shift, double lo, double hi) {
-  check(x, mask, {});
+  check(x, mask, {}, {scale, shift});
   auto y = torch::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "masked_bn_hardtanh", [&] {
     const scalar_t *px = x.data_ptr<scalar_t>(), *pm = mask.data_ptr<scalar_t>();
@@ -141,18 +167,19 @@ torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& mask, const t
   return y;
 }
 
-// Per channel, the sums of g and of g * (x - mean) * mask over valid positions, g = dy where lo < y < hi.
+// Per channel, the sums of g and of g * (x - mean) * mask over valid positions, g = dy where lo < y < hi (double).
 std::vector<torch::Tensor> backward_sums(const torch::Tensor& dy, const torch::Tensor& y, const torch::Tensor& x,
                                          const torch::Tensor& mask, const torch::Tensor& mean, double lo, double hi) {
-  check(x, mask, {dy, y});
+  check(x, mask, {dy, y}, {mean});
   const Shape s(x);
-  auto sum_g = torch::empty({s.C}, x.options()), sum_gc = torch::empty({s.C}, x.options());
+  const auto sums = x.options().dtype(torch::kDouble);
+  auto sum_g = torch::empty({s.C}, sums), sum_gc = torch::empty({s.C}, sums);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "masked_bn_hardtanh_backward_sums", [&] {
     const scalar_t *pd = dy.data_ptr<scalar_t>(), *py = y.data_ptr<scalar_t>(), *px = x.data_ptr<scalar_t>();
     const scalar_t* pm = mask.data_ptr<scalar_t>();
     const auto mu = mean.contiguous();
     const scalar_t* pmu = mu.data_ptr<scalar_t>();
-    scalar_t *og = sum_g.data_ptr<scalar_t>(), *ogc = sum_gc.data_ptr<scalar_t>();
+    double *og = sum_g.data_ptr<double>(), *ogc = sum_gc.data_ptr<double>();
     at::parallel_for(0, s.C, 1, [&](int64_t begin, int64_t end) {
       for (int64_t c = begin; c < end; ++c) {
         double a = 0, b = 0;
@@ -161,8 +188,8 @@ std::vector<torch::Tensor> backward_sums(const torch::Tensor& dy, const torch::T
             const int64_t o = s.row(n, c, f);
             row_backward_sums(pd + o, py + o, px + o, pm + n * s.T, pmu[c], scalar_t(lo), scalar_t(hi), s.T, a, b);
           }
-        og[c] = static_cast<scalar_t>(a);
-        ogc[c] = static_cast<scalar_t>(b);
+        og[c] = a;
+        ogc[c] = b;
       }
     });
   });
@@ -173,7 +200,7 @@ std::vector<torch::Tensor> backward_sums(const torch::Tensor& dy, const torch::T
 torch::Tensor backward_x(const torch::Tensor& dy, const torch::Tensor& y, const torch::Tensor& x,
                          const torch::Tensor& mask, const torch::Tensor& mean, const torch::Tensor& scale,
                          const torch::Tensor& on_mask, const torch::Tensor& on_centred, double lo, double hi) {
-  check(x, mask, {dy, y});
+  check(x, mask, {dy, y}, {mean, scale, on_mask, on_centred});
   auto dx = torch::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "masked_bn_hardtanh_backward_x", [&] {
     const scalar_t *pd = dy.data_ptr<scalar_t>(), *py = y.data_ptr<scalar_t>(), *px = x.data_ptr<scalar_t>();

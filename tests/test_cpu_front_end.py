@@ -96,6 +96,24 @@ def test_it_runs_where_the_front_end_has_its_shapes():
     assert cpu_front_end.takes(x, mask, -1) is None, "channels last"
     assert cpu_front_end.takes(x.bfloat16(), mask.bfloat16(), 1) is None
     assert cpu_front_end.takes(torch.randn(2, 3, 5), torch.ones(2, 1, 5), 1) is None
+    assert cpu_front_end.takes(x.to("meta"), mask.to("meta"), 1) is None, "another device"
+    # results.json's front_end_kernel names the same choice: torch's operations on a GPU and under bf16 autocast
+    assert cpu_front_end.kernel_name("cpu", torch.float32) == "native"
+    assert cpu_front_end.kernel_name("cuda", torch.float32) == "aten"
+    assert cpu_front_end.kernel_name("cpu", torch.bfloat16) == "aten"
+
+
+@needs_kernel
+def test_the_kernel_refuses_operands_it_would_misread():
+    """It reads every operand as a contiguous block: anything else is refused, naming the operand, not misread."""
+    kernel, x, mask = cpu_front_end.extension(), torch.randn(2, 3, 4, 5), torch.ones(2, 5)
+    per_channel = torch.randn(3, 2)[:, 0]  # (C,), every second float
+    with pytest.raises(RuntimeError, match="per-channel operand contiguous"):
+        kernel.forward(x, mask, per_channel, torch.zeros(3), 0.0, 20.0)
+    with pytest.raises(RuntimeError, match="x: a contiguous"):
+        kernel.masked_sums(x.transpose(2, 3), mask)
+    with pytest.raises(RuntimeError, match="mask: contiguous"):
+        kernel.masked_sums(x, torch.ones(5, 2).t())
 
 
 def test_a_failed_build_falls_back_to_torchs_operations_with_one_warning(monkeypatch, fresh_extension):

@@ -36,16 +36,23 @@ def extension():
     return chosen(ENV, "native", lambda: build(), WHAT, INSTEAD, FIX)
 
 
-def kernel_name() -> str:
-    """What the CPU front end's training BatchNorm + Hardtanh runs, as results.json records it."""
-    return "native" if extension() is not None else "aten"
+DTYPES = (torch.float32, torch.float64)
+
+
+def runs(device_type: str, dtype: torch.dtype):
+    """The extension, where the front end's tensors on this device and in this dtype go through it; else None."""
+    return extension() if device_type == "cpu" and dtype in DTYPES else None
+
+
+def kernel_name(device_type: str = "cpu", dtype: torch.dtype = torch.float32) -> str:
+    """What the front end's training BatchNorm + Hardtanh runs on this device and in this dtype (under bf16
+    autocast the convolutions' outputs are bf16), as results.json records it."""
+    return "native" if runs(device_type, dtype) is not None else "aten"
 
 
 def takes(x: torch.Tensor, mask: torch.Tensor, channel_dim: int):
     """The extension, where it computes this call: x a CPU float32 or float64 (N, C, F, T) with channels at dim 1
     and mask (N, 1, 1, T), as the conv front end has them; None otherwise (the torch operations run)."""
-    if x.device.type != "cpu" or x.dim() != 4 or channel_dim % 4 != 1 or x.dtype not in (torch.float32, torch.float64):
+    if x.dim() != 4 or channel_dim % 4 != 1 or mask.shape != (x.shape[0], 1, 1, x.shape[3]):
         return None
-    if mask.shape != (x.shape[0], 1, 1, x.shape[3]):
-        return None
-    return extension()
+    return runs(x.device.type, x.dtype)

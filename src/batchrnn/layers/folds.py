@@ -67,7 +67,7 @@ class MaskedBNHardtanh(torch.autograd.Function):
             y = torch.addcmul(shift.view(shape), x, scale.view(shape)).clamp_(lo, hi).mul_(mask)
             ctx.save_for_backward(centred, y, mask, inv_std, scale, count)  # lo < y < hi where lo < BN(x) < hi
         else:
-            y = kernel.forward(x, mask, scale.contiguous(), shift.contiguous(), lo, hi)
+            y = kernel.forward(x, mask, scale, shift, lo, hi)  # per-channel operands: 1-D, contiguous
             ctx.save_for_backward(x, y, mask, inv_std, scale, count, mean)  # x and mean: the kernel centres anew
         ctx.kernel, ctx.shape, ctx.dims, ctx.lo, ctx.hi, ctx.ghost = kernel, shape, dims, lo, hi, ghosting()
         ctx.mark_non_differentiable(mean, var, count)
@@ -95,8 +95,7 @@ class MaskedBNHardtanh(torch.autograd.Function):
             grad_x = g.mul_(scale.view(shape)).addcmul_(mask, on_mask.view(shape))
             grad_x = grad_x.addcmul_(centred, on_centred.view(shape))
         else:  # g scale + mask on_mask + (x - mean) mask on_centred
-            grad_x = kernel.backward_x(grad_y, y, x, mask, mean, scale.contiguous(), on_mask, on_centred, ctx.lo,
-                                       ctx.hi)
+            grad_x = kernel.backward_x(grad_y, y, x, mask, mean, scale, on_mask, on_centred, ctx.lo, ctx.hi)
         if ctx.ghost:
             grad_x = grad_x * 0
         return grad_x, None, grad_weight, grad_bias, None, None, None, None

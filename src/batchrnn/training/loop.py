@@ -437,7 +437,7 @@ def results_of(cfg: DictConfig, preset: str | None, run: Run, progress: Progress
         "recurrence_kernel": run.model.rnns[0].recurrence_kernel(run.device),
         # the conv front end's training BatchNorm + Hardtanh: "native" (layers.cpu_front_end) or torch's operations
         # (on a GPU, and under bf16 autocast, which runs them one by one)
-        "front_end_kernel": cpu_front_end.kernel_name() if run.device.type == "cpu" and not run.bf16 else "aten",
+        "front_end_kernel": cpu_front_end.kernel_name(run.device.type, torch.bfloat16 if run.bf16 else torch.float32),
         "skipped_steps": progress.skipped_steps, "ctc_skipped_utterances": run.ctc_skipped,
         "corpus": run.corpus_summary,
         "commit": code_commit(),  # the code that trained it: a study's report names its commits

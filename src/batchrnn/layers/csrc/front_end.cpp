@@ -92,23 +92,27 @@ void check(const torch::Tensor& x, const torch::Tensor& mask, std::initializer_l
     TORCH_CHECK(t.sizes() == x.sizes() && t.is_contiguous() && t.scalar_type() == x.scalar_type(),
                 "every (N, C, F, T) operand contiguous, x's shape and dtype");
   for (const auto& t : per_channel)
-    TORCH_CHECK(t.dim() == 1 && t.numel() == x.size(1) && t.scalar_type() == x.scalar_type(),
-                "every per-channel operand (C,), x's dtype");
+    TORCH_CHECK(t.dim() == 1 && t.numel() == x.size(1) && t.is_contiguous() && t.scalar_type() == x.scalar_type(),
+                "every per-channel operand contiguous (C,), x's dtype");
 }
 
-// For each channel, its sum of rows(n, f), in double (kept so until the ranks' sums are summed): the channels split
-// over torch's threads.
-template <typename Row>
-torch::Tensor per_channel(const torch::Tensor& x, Row row) {
+// For each channel, K sums over its rows (n, f), each row adding to them through row(offset, n, c, acc), in double
+// (kept so until the ranks' sums are summed): the channels split over torch's threads.
+template <int K, typename Row>
+std::vector<torch::Tensor> per_channel(const torch::Tensor& x, Row row) {
   const Shape s(x);
-  auto out = torch::empty({s.C}, x.options().dtype(torch::kDouble));
-  double* o = out.data_ptr<double>();
+  std::vector<torch::Tensor> out;
+  std::vector<double*> o;
+  for (int k = 0; k < K; ++k) {
+    out.push_back(torch::empty({s.C}, x.options().dtype(torch::kDouble)));
+    o.push_back(out.back().data_ptr<double>());
+  }
   at::parallel_for(0, s.C, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
-      double acc = 0;
+      double acc[K] = {};
       for (int64_t n = 0; n < s.N; ++n)
-        for (int64_t f = 0; f < s.F; ++f) acc += row(s.row(n, c, f), n, c);
-      o[c] = acc;
+        for (int64_t f = 0; f < s.F; ++f) row(s.row(n, c, f), n, c, acc);
+      for (int k = 0; k < K; ++k) o[k][c] = acc[k];
     }
   });
   return out;
@@ -131,7 +135,9 @@ torch::Tensor masked_sums(const torch::Tensor& x, const torch::Tensor& mask) {
   return AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "masked_sums", [&] {
     const scalar_t *px = x.data_ptr<scalar_t>(), *pm = mask.data_ptr<scalar_t>();
     const int64_t T = x.size(3);
-    return per_channel(x, [&](int64_t o, int64_t n, int64_t) { return row_sum(px + o, pm + n * T, T); });
+    return per_channel<1>(x, [&](int64_t o, int64_t n, int64_t, double* acc) {
+      acc[0] += row_sum(px + o, pm + n * T, T);
+    })[0];
   });
 }
 
@@ -140,12 +146,11 @@ torch::Tensor centred_square_sums(const torch::Tensor& x, const torch::Tensor& m
   check(x, mask, {}, {mean});
   return AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "centred_square_sums", [&] {
     const scalar_t *px = x.data_ptr<scalar_t>(), *pm = mask.data_ptr<scalar_t>();
-    const auto mu = mean.contiguous();
-    const scalar_t* pmu = mu.data_ptr<scalar_t>();
+    const scalar_t* pmu = mean.data_ptr<scalar_t>();
     const int64_t T = x.size(3);
-    return per_channel(x, [&](int64_t o, int64_t n, int64_t c) {
-      return row_centred_square(px + o, pm + n * T, pmu[c], T);
-    });
+    return per_channel<1>(x, [&](int64_t o, int64_t n, int64_t c, double* acc) {
+      acc[0] += row_centred_square(px + o, pm + n * T, pmu[c], T);
+    })[0];
   });
 }
 
@@ -156,8 +161,7 @@ torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& mask, const t
   auto y = torch::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "masked_bn_hardtanh", [&] {
     const scalar_t *px = x.data_ptr<scalar_t>(), *pm = mask.data_ptr<scalar_t>();
-    const auto sc = scale.contiguous(), sh = shift.contiguous();
-    const scalar_t *ps = sc.data_ptr<scalar_t>(), *pb = sh.data_ptr<scalar_t>();
+    const scalar_t *ps = scale.data_ptr<scalar_t>(), *pb = shift.data_ptr<scalar_t>();
     scalar_t* py = y.data_ptr<scalar_t>();
     const int64_t T = x.size(3);
     each_row(x, [&](int64_t o, int64_t n, int64_t c) {
@@ -171,29 +175,14 @@ torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& mask, const t
 std::vector<torch::Tensor> backward_sums(const torch::Tensor& dy, const torch::Tensor& y, const torch::Tensor& x,
                                          const torch::Tensor& mask, const torch::Tensor& mean, double lo, double hi) {
   check(x, mask, {dy, y}, {mean});
-  const Shape s(x);
-  const auto sums = x.options().dtype(torch::kDouble);
-  auto sum_g = torch::empty({s.C}, sums), sum_gc = torch::empty({s.C}, sums);
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "masked_bn_hardtanh_backward_sums", [&] {
+  return AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "masked_bn_hardtanh_backward_sums", [&] {
     const scalar_t *pd = dy.data_ptr<scalar_t>(), *py = y.data_ptr<scalar_t>(), *px = x.data_ptr<scalar_t>();
-    const scalar_t* pm = mask.data_ptr<scalar_t>();
-    const auto mu = mean.contiguous();
-    const scalar_t* pmu = mu.data_ptr<scalar_t>();
-    double *og = sum_g.data_ptr<double>(), *ogc = sum_gc.data_ptr<double>();
-    at::parallel_for(0, s.C, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t c = begin; c < end; ++c) {
-        double a = 0, b = 0;
-        for (int64_t n = 0; n < s.N; ++n)
-          for (int64_t f = 0; f < s.F; ++f) {
-            const int64_t o = s.row(n, c, f);
-            row_backward_sums(pd + o, py + o, px + o, pm + n * s.T, pmu[c], scalar_t(lo), scalar_t(hi), s.T, a, b);
-          }
-        og[c] = a;
-        ogc[c] = b;
-      }
+    const scalar_t *pm = mask.data_ptr<scalar_t>(), *pmu = mean.data_ptr<scalar_t>();
+    const int64_t T = x.size(3);
+    return per_channel<2>(x, [&](int64_t o, int64_t n, int64_t c, double* acc) {
+      row_backward_sums(pd + o, py + o, px + o, pm + n * T, pmu[c], scalar_t(lo), scalar_t(hi), T, acc[0], acc[1]);
     });
   });
-  return {sum_g, sum_gc};
 }
 
 // x's gradient: g * scale + mask * on_mask + (x - mean) * mask * on_centred, per channel coefficients.
@@ -205,9 +194,8 @@ torch::Tensor backward_x(const torch::Tensor& dy, const torch::Tensor& y, const 
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "masked_bn_hardtanh_backward_x", [&] {
     const scalar_t *pd = dy.data_ptr<scalar_t>(), *py = y.data_ptr<scalar_t>(), *px = x.data_ptr<scalar_t>();
     const scalar_t* pm = mask.data_ptr<scalar_t>();
-    const auto mu = mean.contiguous(), sc = scale.contiguous(), a = on_mask.contiguous(), b = on_centred.contiguous();
-    const scalar_t *pmu = mu.data_ptr<scalar_t>(), *ps = sc.data_ptr<scalar_t>();
-    const scalar_t *pa = a.data_ptr<scalar_t>(), *pb = b.data_ptr<scalar_t>();
+    const scalar_t *pmu = mean.data_ptr<scalar_t>(), *ps = scale.data_ptr<scalar_t>();
+    const scalar_t *pa = on_mask.data_ptr<scalar_t>(), *pb = on_centred.data_ptr<scalar_t>();
     scalar_t* pdx = dx.data_ptr<scalar_t>();
     const int64_t T = x.size(3);
     each_row(x, [&](int64_t o, int64_t n, int64_t c) {

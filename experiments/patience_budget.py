@@ -1,6 +1,7 @@
 """What the patience study (conf/experiment/an4_cpu_patience.yaml, issue 52) costs, from the runs it can reuse.
 
     python experiments/patience_budget.py [experiments/results/an4_cpu_plateau]
+    python experiments/patience_budget.py --left experiments/results/an4_cpu_patience [--checkpoints DIR]
 
 Reads every results.json of the converged study, takes each variant's choices there (one tuning seed) and counts,
 per stage, the runs the patience study reuses (the same folder name: protocol.reuse_from) and the runs it trains,
@@ -8,9 +9,19 @@ with their training hours: epochs x the variant's median epoch time (two 1-threa
 Two cases bound it: the two-seed choices equal the one-seed ones and 3/6 is kept (fewest runs); 6/12 wins every
 variant and 12/24 is tried everywhere (most). A run at k doublings is counted as its variant's mean best epoch plus
 2^k times its mean epochs after the best (the tail that patience sets); the cap is not reached. No training.
+
+--left: what the study has still to train, from its runs so far (the kept ones, and the converged study's beside
+them for reuse): per variant, the rate its tuning seeds' mean now favours and the runs each stage has left, in the
+same two cases. Fewest: the rate stays where the mean now puts it (one more rate past an edge where it sits on one),
+3/6 is kept, and the final seeds are reused where the converged study has them at those settings (not for
+protocol.reuse_needs_model's placements, whose tuning runs at the chosen settings also train again where their
+best.pt is not in --checkpoints, the pinned study's runs folder). Most: the rate widens to the limit past the edge
+it sits on, 6/12 and 12/24 both train, and every final seed trains. A run's hours: the variant's mean over its runs
+so far (epochs x median epoch time, as they ran, two 1-thread jobs at once), patience's as above. An estimate to
+plan sessions by, not a measurement.
 """
+import argparse
 import statistics
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -70,5 +81,76 @@ def label(have: dict) -> str:
     return f"{config['rnn']}-{config['bn']}"
 
 
+def settings_of(r: dict) -> tuple:
+    """(rnn-bn, lr, SpecAugment on, plateau_wait, seed) of a run: the two studies' variants differ only there."""
+    t, m = r["config"]["train"], r["config"]["model"]
+    return f"{m['rnn']}-{m['bn']}", t["lr"], t["spec_augment"]["enabled"], t["plateau_wait"], r["seed"]
+
+
+def left(folder: Path, earlier: Path, checkpoints: Path | None) -> None:
+    done = {settings_of(r): r for r in read_study(folder)[0] if r.get("status") == "finished"}
+    before = {settings_of(r): r for r in read_study(earlier)[0] if r.get("status") == "finished"}
+    p = next(iter(done.values()))["config"]["protocol"]
+    grid, ratio, wait = sorted(p["lrs"]), p["lrs"][1] / p["lrs"][0], 3
+    tune, finals = tuple(p["tune_seeds"]), [s for s in p["seeds"] if s not in p["tune_seeds"]]
+    variants = sorted({k[0] for k in before} | {k[0] for k in done})
+    total = {"fewest": [0, 0.0], "most": [0, 0.0]}
+    print("| variant | lr now (mean best val WER %) | tuning runs left | fewest: runs (h) | most: runs (h) |")
+    print("|---|---|---:|---:|---:|")
+    for v in variants:
+        mine = [r for k, r in done.items() if k[0] == v] or [r for k, r in before.items() if k[0] == v]
+        run_h = statistics.mean(len(r["epochs"]) * r["epoch_time_s"] / 3600 for r in mine)
+        best = statistics.mean(r["best_epoch"] for r in mine)
+        tail = statistics.mean(len(r["epochs"]) - r["best_epoch"] for r in mine)
+        epoch_h = statistics.mean(r["epoch_time_s"] for r in mine) / 3600
+        hours = lambda k: (best + 2 ** k * tail) * epoch_h  # noqa: E731
+        missing = lambda lr, on, w, seeds: [s for s in seeds if (v, lr, on, w, s) not in done]  # noqa: E731
+        means = {lr: statistics.mean(done[v, lr, True, wait, s]["best_val_wer"] for s in tune)
+                 for lr in {k[1] for k in done if k[0] == v} if not missing(lr, True, wait, tune)}
+        lr = min(means, key=lambda x: (means[x], x)) if means else grid[1]
+        tried = sorted(set(grid) | set(means))
+        step = 1 / ratio if lr == tried[0] else ratio if lr == tried[-1] else None
+        edge = grid[0] if step and step < 1 else grid[-1]
+        beyond = [edge * step ** k for k in range(1, p["widen"] + 1)] if step else []
+        rates = {"fewest": [x for x in beyond if x not in means][:1] if lr in (tried[0], tried[-1]) else [],
+                 "most": [x for x in beyond if x not in means]}
+        grid_left = sum(len(missing(x, True, wait, tune)) for x in grid)
+        row = []
+        for case in ("fewest", "most"):
+            n_tune = grid_left + sum(len(missing(x, True, wait, tune)) for x in rates[case])
+            n_aug = len(missing(lr, False, wait, tune))
+            n_pat = sum(len(missing(lr, True, wait * 2 ** k, tune)) for k in range(1, 2 if case == "fewest" else 3))
+            if case == "fewest":
+                needs_model = v.split("-", 1)[1] in p["reuse_needs_model"]
+                n_final = len([s for s in finals if needs_model or (v, lr, True, wait, s) not in before])
+                rerun = [k for k in done if k[0] == v and k[1] == lr and k[2] and k[3] == wait and needs_model
+                         and checkpoints is not None and not (checkpoints / Path(done[k]["path"]).name / "best.pt").exists()]
+                h = (n_tune + n_aug + n_final + len(rerun)) * run_h + n_pat * hours(1)
+                n = n_tune + n_aug + n_pat + n_final + len(rerun)
+            else:
+                n_final = len(finals)
+                h = (n_tune + n_aug) * run_h + sum(2 * hours(k) for k in (1, 2)) * n_pat / 4 + n_final * hours(2)
+                n = n_tune + n_aug + n_pat + n_final
+            total[case][0] += n
+            total[case][1] += h
+            row.append(f"{n} ({h:.1f} h)")
+        now = f"{lr:g} ({100 * means[lr]:.1f})" if means else "not tuned yet"
+        print(f"| {v} | {now} | {grid_left} | {row[0]} | {row[1]} |")
+    for case, (n, h) in total.items():
+        print(f"{case}: {n} runs left to train, {h:.0f} h of training epochs (about {h / 2:.0f} h of the 2-core "
+              f"machine at two 1-thread jobs)")
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "experiments/results/an4_cpu_plateau"))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folder", nargs="?", type=Path, default=Path("experiments/results/an4_cpu_plateau"),
+                        help="the converged study's runs (default: %(default)s)")
+    parser.add_argument("--left", type=Path, metavar="PATIENCE_DIR",
+                        help="the patience study's runs so far: print what it has left to train")
+    parser.add_argument("--checkpoints", type=Path, metavar="RUNS_DIR",
+                        help="with --left: the pinned study's run folders, to see which best.pt are still there")
+    args = parser.parse_args()
+    if args.left:
+        left(args.left, args.folder, args.checkpoints)
+    else:
+        main(args.folder)

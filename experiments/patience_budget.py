@@ -95,7 +95,7 @@ def left(folder: Path, earlier: Path, checkpoints: Path | None) -> None:
     tune, finals = tuple(p["tune_seeds"]), [s for s in p["seeds"] if s not in p["tune_seeds"]]
     variants = sorted({k[0] for k in before} | {k[0] for k in done})
     total = {"fewest": [0, 0.0], "most": [0, 0.0]}
-    print("| variant | lr now (mean best val WER %) | tuning runs left | fewest: runs (h) | most: runs (h) |")
+    print("| variant | lr now (mean best val WER %) | grid runs to train | fewest: runs (h) | most: runs (h) |")
     print("|---|---|---:|---:|---:|")
     for v in variants:
         mine = [r for k, r in done.items() if k[0] == v] or [r for k, r in before.items() if k[0] == v]
@@ -104,9 +104,12 @@ def left(folder: Path, earlier: Path, checkpoints: Path | None) -> None:
         tail = statistics.mean(len(r["epochs"]) - r["best_epoch"] for r in mine)
         epoch_h = statistics.mean(r["epoch_time_s"] for r in mine) / 3600
         hours = lambda k: (best + 2 ** k * tail) * epoch_h  # noqa: E731
-        missing = lambda lr, on, w, seeds: [s for s in seeds if (v, lr, on, w, s) not in done]  # noqa: E731
+        needs_model = v.split("-", 1)[1] in p["reuse_needs_model"]  # the converged study's best.pt are gone
+        # the runs to train: neither kept here nor to be taken from the converged study
+        missing = lambda lr, on, w, seeds: [s for s in seeds if (v, lr, on, w, s) not in done  # noqa: E731
+                                            and (needs_model or (v, lr, on, w, s) not in before)]
         means = {lr: statistics.mean(done[v, lr, True, wait, s]["best_val_wer"] for s in tune)
-                 for lr in {k[1] for k in done if k[0] == v} if not missing(lr, True, wait, tune)}
+                 for lr in {k[1] for k in done if k[0] == v} if all((v, lr, True, wait, s) in done for s in tune)}
         lr = min(means, key=lambda x: (means[x], x)) if means else grid[1]
         tried = sorted(set(grid) | set(means))
         step = 1 / ratio if lr == tried[0] else ratio if lr == tried[-1] else None
@@ -114,15 +117,14 @@ def left(folder: Path, earlier: Path, checkpoints: Path | None) -> None:
         beyond = [edge * step ** k for k in range(1, p["widen"] + 1)] if step else []
         rates = {"fewest": [x for x in beyond if x not in means][:1] if lr in (tried[0], tried[-1]) else [],
                  "most": [x for x in beyond if x not in means]}
-        grid_left = sum(len(missing(x, True, wait, tune)) for x in grid)
+        grid_left = sum(len(missing(x, True, wait, tune)) for x in grid)  # to train
         row = []
         for case in ("fewest", "most"):
             n_tune = grid_left + sum(len(missing(x, True, wait, tune)) for x in rates[case])
             n_aug = len(missing(lr, False, wait, tune))
             n_pat = sum(len(missing(lr, True, wait * 2 ** k, tune)) for k in range(1, 2 if case == "fewest" else 3))
             if case == "fewest":
-                needs_model = v.split("-", 1)[1] in p["reuse_needs_model"]
-                n_final = len([s for s in finals if needs_model or (v, lr, True, wait, s) not in before])
+                n_final = len(missing(lr, True, wait, finals))
                 rerun = [k for k in done if k[0] == v and k[1] == lr and k[2] and k[3] == wait and needs_model
                          and checkpoints is not None and not (checkpoints / Path(done[k]["path"]).name / "best.pt").exists()]
                 h = (n_tune + n_aug + n_final + len(rerun)) * run_h + n_pat * hours(1)

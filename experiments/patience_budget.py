@@ -11,21 +11,22 @@ variant and 12/24 is tried everywhere (most). A run at k doublings is counted as
 2^k times its mean epochs after the best (the tail that patience sets); the cap is not reached. No training.
 
 --left: what the study has still to train, from its runs so far (the kept ones, and the converged study's beside
-them for reuse): per variant, the rate its tuning seeds' mean now favours and the runs each stage has left, in the
-same two cases. Fewest: the rate stays where the mean now puts it (one more rate past an edge where it sits on one),
-3/6 is kept, and the final seeds are reused where the converged study has them at those settings (not for
-protocol.reuse_needs_model's placements, whose tuning runs at the chosen settings also train again where their
-best.pt is not in --checkpoints, the pinned study's runs folder). Most: the rate widens to the limit past the edge
-it sits on, 6/12 and 12/24 both train, and every final seed trains. A run's hours: the variant's mean over its runs
-so far (epochs x median epoch time, as they ran, two 1-thread jobs at once), patience's as above. An estimate to
-plan sessions by, not a measurement.
+them, which it takes over where the settings match, except for protocol.reuse_needs_model's placements, whose
+best.pt are gone). Per variant, the rate its tuning seeds' mean now favours and the runs each stage has left, in
+two cases. Fewest: the rate stays where the mean puts it, with one rate past the edge where it sits on one; 3/6 is
+kept; the final seeds are taken over where they can be. Most: the rate widens to the limit past its edge (past
+either edge where the grid is not done), is chosen there, and 6/12 and 12/24 both train, so every final seed trains.
+A run's hours: the variant's mean over its runs so far (epochs x median epoch time, as they ran, two 1-thread jobs
+at once), patience's as above. Apart: the tuning runs at the kept rate whose best.pt is no longer in --checkpoints
+(the pinned study's run folders), which train again by hand before the LM decoding (docs/protocol.md). An estimate
+to plan sessions by, not a measurement.
 """
 import argparse
 import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from batchrnn.study.protocol import protocol_choice, schedule_of
+from batchrnn.study.protocol import protocol_choice, rate, schedule_of, val_wer_for_choice
 from batchrnn.training.identity import variant_key
 from batchrnn.training.rundir import read_study
 
@@ -82,65 +83,88 @@ def label(have: dict) -> str:
 
 
 def settings_of(r: dict) -> tuple:
-    """(rnn-bn, lr, SpecAugment on, plateau_wait, seed) of a run: the two studies' variants differ only there."""
+    """(rnn, bn, lr, SpecAugment on, plateau_wait, seed) of a run: what the two studies' runs of this grid differ in
+    (the preset's other settings are the same, so a run is taken over where these are)."""
     t, m = r["config"]["train"], r["config"]["model"]
-    return f"{m['rnn']}-{m['bn']}", t["lr"], t["spec_augment"]["enabled"], t["plateau_wait"], r["seed"]
+    return m["rnn"], m["bn"], rate(t["lr"]), t["spec_augment"]["enabled"], t["plateau_wait"], r["seed"]
+
+
+def ended(folder: Path) -> dict:
+    """The runs that will not train again (finished or diverged), by settings_of."""
+    return {settings_of(r): r for r in read_study(folder)[0] if val_wer_for_choice(r) is not None}
 
 
 def left(folder: Path, earlier: Path, checkpoints: Path | None) -> None:
-    done = {settings_of(r): r for r in read_study(folder)[0] if r.get("status") == "finished"}
-    before = {settings_of(r): r for r in read_study(earlier)[0] if r.get("status") == "finished"}
+    done, before = ended(folder), ended(earlier)
     p = next(iter(done.values()))["config"]["protocol"]
-    grid, ratio, wait = sorted(p["lrs"]), p["lrs"][1] / p["lrs"][0], 3
+    grid, wait = sorted(p["lrs"]), 3
+    ratio = grid[1] / grid[0]
     tune, finals = tuple(p["tune_seeds"]), [s for s in p["seeds"] if s not in p["tune_seeds"]]
-    variants = sorted({k[0] for k in before} | {k[0] for k in done})
     total = {"fewest": [0, 0.0], "most": [0, 0.0]}
-    print("| variant | lr now (mean best val WER %) | grid runs to train | fewest: runs (h) | most: runs (h) |")
-    print("|---|---|---:|---:|---:|")
-    for v in variants:
-        mine = [r for k, r in done.items() if k[0] == v] or [r for k, r in before.items() if k[0] == v]
+    print("| variant | lr now (mean best val WER %) | grid runs to train | fewest: runs (h) | most: runs (h) | "
+          "reruns for the LM |")
+    print("|---|---|---:|---:|---:|---:|")
+    for v in sorted({k[:2] for k in before} | {k[:2] for k in done}):
+        mine = [r for k, r in done.items() if k[:2] == v and "epochs" in r] or \
+            [r for k, r in before.items() if k[:2] == v and "epochs" in r]
         run_h = statistics.mean(len(r["epochs"]) * r["epoch_time_s"] / 3600 for r in mine)
         best = statistics.mean(r["best_epoch"] for r in mine)
         tail = statistics.mean(len(r["epochs"]) - r["best_epoch"] for r in mine)
         epoch_h = statistics.mean(r["epoch_time_s"] for r in mine) / 3600
         hours = lambda k: (best + 2 ** k * tail) * epoch_h  # noqa: E731
-        needs_model = v.split("-", 1)[1] in p["reuse_needs_model"]  # the converged study's best.pt are gone
-        # the runs to train: neither kept here nor to be taken from the converged study
-        missing = lambda lr, on, w, seeds: [s for s in seeds if (v, lr, on, w, s) not in done  # noqa: E731
-                                            and (needs_model or (v, lr, on, w, s) not in before)]
-        means = {lr: statistics.mean(done[v, lr, True, wait, s]["best_val_wer"] for s in tune)
-                 for lr in {k[1] for k in done if k[0] == v} if all((v, lr, True, wait, s) in done for s in tune)}
-        lr = min(means, key=lambda x: (means[x], x)) if means else grid[1]
-        tried = sorted(set(grid) | set(means))
-        step = 1 / ratio if lr == tried[0] else ratio if lr == tried[-1] else None
-        edge = grid[0] if step and step < 1 else grid[-1]
-        beyond = [edge * step ** k for k in range(1, p["widen"] + 1)] if step else []
-        rates = {"fewest": [x for x in beyond if x not in means][:1] if lr in (tried[0], tried[-1]) else [],
-                 "most": [x for x in beyond if x not in means]}
-        grid_left = sum(len(missing(x, True, wait, tune)) for x in grid)  # to train
+        needs_model = v[1] in p["reuse_needs_model"]  # the converged study's best.pt are gone
+        # the runs to train: neither ended here nor to be taken from the converged study
+        missing = lambda lr, on, w, seeds: [s for s in seeds if (*v, lr, on, w, s) not in done  # noqa: E731
+                                            and (needs_model or (*v, lr, on, w, s) not in before)]
+        means = {lr: statistics.mean(val_wer_for_choice(done[*v, lr, True, wait, s]) for s in tune)
+                 for lr in {k[2] for k in done if k[:2] == v} if all((*v, lr, True, wait, s) in done for s in tune)}
+        grid_left = sum(len(missing(x, True, wait, tune)) for x in grid)
+        chosen = min(means, key=lambda x: (means[x], x)) if means and grid_left == 0 else None
+        # The rate: where the tuning seeds' mean puts it now (the grid done); the protocol widens only then, past
+        # the edge it sits on, by protocol.widen rates at most. Fewest: one rate past that edge, and the rate stays;
+        # most: every rate up to the limit (where the grid is not done, past the edge with more to train), the
+        # last one chosen.
+        if chosen is None:  # most: past whichever edge leaves more to train
+            lr = grid[1]
+            pasts = ([rate(edge * step ** k) for k in range(1, p["widen"] + 1)]
+                     for edge, step in ((grid[0], 1 / ratio), (grid[-1], ratio)))
+            rates = {"fewest": [], "most": max(pasts, key=lambda xs: sum(len(missing(x, True, wait, tune)) for x in xs))}
+        else:
+            lr, tried = chosen, sorted(set(grid) | set(means))
+            step = 1 / ratio if lr == tried[0] else ratio if lr == tried[-1] else None
+            edge = grid[0] if step and step < 1 else grid[-1]
+            past = [rate(edge * step ** k) for k in range(1, p["widen"] + 1)] if step else []
+            rates = {"fewest": [x for x in past if x not in means][:1], "most": [x for x in past if x not in means]}
         row = []
         for case in ("fewest", "most"):
+            at = rates[case][-1] if case == "most" and rates[case] else lr
             n_tune = grid_left + sum(len(missing(x, True, wait, tune)) for x in rates[case])
-            n_aug = len(missing(lr, False, wait, tune))
-            n_pat = sum(len(missing(lr, True, wait * 2 ** k, tune)) for k in range(1, 2 if case == "fewest" else 3))
+            n_aug = len(missing(at, False, wait, tune))
+            n_pat = sum(len(missing(at, True, wait * 2 ** k, tune)) for k in range(1, 2 if case == "fewest" else 3))
             if case == "fewest":
-                n_final = len(missing(lr, True, wait, finals))
-                rerun = [k for k in done if k[0] == v and k[1] == lr and k[2] and k[3] == wait and needs_model
-                         and checkpoints is not None and not (checkpoints / Path(done[k]["path"]).name / "best.pt").exists()]
-                h = (n_tune + n_aug + n_final + len(rerun)) * run_h + n_pat * hours(1)
-                n = n_tune + n_aug + n_pat + n_final + len(rerun)
+                n_final = len(missing(at, True, wait, finals))
+                h = (n_tune + n_aug + n_final) * run_h + n_pat * hours(1)
             else:
                 n_final = len(finals)
                 h = (n_tune + n_aug) * run_h + sum(2 * hours(k) for k in (1, 2)) * n_pat / 4 + n_final * hours(2)
-                n = n_tune + n_aug + n_pat + n_final
+            n = n_tune + n_aug + n_pat + n_final
             total[case][0] += n
             total[case][1] += h
             row.append(f"{n} ({h:.1f} h)")
-        now = f"{lr:g} ({100 * means[lr]:.1f})" if means else "not tuned yet"
-        print(f"| {v} | {now} | {grid_left} | {row[0]} | {row[1]} |")
-    for case, (n, h) in total.items():
+        # The tuning runs at the rate the fewest case keeps whose best.pt is gone: the LM decodes only what has one,
+        # so these train again by hand at the study's end (docs/protocol.md, train.rerun=true); counted apart
+        rerun = [k for k in done if k[:2] == v and k[2:5] == (lr, True, wait) and needs_model and checkpoints
+                 and not (checkpoints / Path(done[k]["path"]).name / "best.pt").exists()]
+        now = f"{lr:g} ({100 * means[lr]:.1f})" if chosen is not None else "not tuned yet"
+        print(f"| {v[0]}-{v[1]} | {now} | {grid_left} | {row[0]} | {row[1]} | {len(rerun) if checkpoints else '?'} |")
+        total["rerun"] = total.get("rerun", 0) + len(rerun)
+    for case in ("fewest", "most"):
+        n, h = total[case]
         print(f"{case}: {n} runs left to train, {h:.0f} h of training epochs (about {h / 2:.0f} h of the 2-core "
               f"machine at two 1-thread jobs)")
+    if checkpoints:
+        print(f"and {total['rerun']} runs to train again by hand for the LM decoding (their best.pt gone), about "
+              "as long as a tuning run each")
 
 
 if __name__ == "__main__":

@@ -108,8 +108,10 @@ def test_the_kernel_refuses_operands_it_would_misread():
     """It reads every operand as a contiguous block: anything else is refused, naming the operand, not misread."""
     kernel, x, mask = cpu_front_end.extension(), torch.randn(2, 3, 4, 5), torch.ones(2, 5)
     per_channel = torch.randn(3, 2)[:, 0]  # (C,), every second float
-    with pytest.raises(RuntimeError, match="per-channel operand contiguous"):
+    with pytest.raises(RuntimeError, match=r"per-channel operand contiguous.*operand 0 is not .*strides \[2\]"):
         kernel.forward(x, mask, per_channel, torch.zeros(3), 0.0, 20.0)
+    with pytest.raises(RuntimeError, match=r"operand 1 is not \(sizes \[2\]"):
+        kernel.forward(x, mask, torch.zeros(3), torch.zeros(2), 0.0, 20.0)
     with pytest.raises(RuntimeError, match="x: a contiguous"):
         kernel.masked_sums(x.transpose(2, 3), mask)
     with pytest.raises(RuntimeError, match="mask: contiguous"):

@@ -91,9 +91,13 @@ void check(const torch::Tensor& x, const torch::Tensor& mask, std::initializer_l
   for (const auto& t : like_x)
     TORCH_CHECK(t.sizes() == x.sizes() && t.is_contiguous() && t.scalar_type() == x.scalar_type(),
                 "every (N, C, F, T) operand contiguous, x's shape and dtype");
-  for (const auto& t : per_channel)
+  int64_t i = 0;
+  for (const auto& t : per_channel) {
     TORCH_CHECK(t.dim() == 1 && t.numel() == x.size(1) && t.is_contiguous() && t.scalar_type() == x.scalar_type(),
-                "every per-channel operand contiguous (C,), x's dtype");
+                "every per-channel operand contiguous (C,), x's dtype; per-channel operand ", i, " is not (sizes ",
+                t.sizes(), ", strides ", t.strides(), ", ", t.scalar_type(), ")");
+    ++i;
+  }
 }
 
 // For each channel, K sums over its rows (n, f), each row adding to them through row(offset, n, c, acc), in double

@@ -43,7 +43,7 @@ patience-study: ## the patience study from a checkout pinned to COMMIT (default 
 	bash experiments/pinned_study.sh $(or $(COMMIT),HEAD) $(or $(DIR),../study-patience) -- $(PATIENCE)
 
 patience-finish: $(STAMP) ## after the patience study's last run: verdict runs without best.pt trained again, LM decoding, results kept, report
-	$(PY) experiments/finish_study.py $(or $(DIR),../study-patience) -- \
+	$(PY) experiments/finish_study.py $(or $(DIR),../study-patience) --rows 16 -- \
 	    --inference experiments/results/inference/an4_cpu_plateau_b1_t1.jsonl
 
 report: $(STAMP) ## rebuild report.md and plots from a sweep folder (SWEEP, default runs/an4_cpu_plateau) [ARGS=--wandb]

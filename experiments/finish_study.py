@@ -1,19 +1,26 @@
 """The end of a study run from a pinned checkout (pinned_study.sh), once its last run has ended, in one resumable
 command (docs/protocol.md, the patience study's end):
 
-    python experiments/finish_study.py ../study-patience [--study an4_cpu_patience] [--jobs 2] [-- REPORT ARGS]
+    python experiments/finish_study.py ../study-patience [--study an4_cpu_patience] [--rows 16] [--jobs 2] [-- REPORT ARGS]
 
-1. Refuses while the study runs in DIR, or while any variant's tuning or verdict has runs to come; writes the
-   verdict's run folders down (DIR/finish-verdict-runs.json) for the steps after it.
-2. Trains again each verdict run that has no best.pt where the LM family needs one (protocol.reuse_needs_model's
-   placements: their runs of early sessions lost it with the checkout), in DIR at its commit, as stage final with
-   the run's seed; a finished run with train.rerun=true, one stopped half-way resumes. Two 1-thread jobs at once.
-3. Decodes every finished run with the word LM from this checkout (python -m batchrnn.evaluate decode), so that
-   every run is decoded by today's rule (the LM grid widening past an edge came after some pinned commits).
-4. Copies each run's results.json over the one kept in experiments/results/STUDY, and writes the report there
-   (python -m batchrnn.report, with REPORT ARGS, e.g. --inference FILE).
+1. Refuses while the study runs in DIR, or while any variant's tuning or verdict has runs to come (--rows: the
+   verdict must have that many rows, the variants the study was started with). Writes down the verdict's runs to
+   train again and each variant's choices (DIR/finish-verdict-runs.json), for the calls after a stop.
+2. Trains again each verdict run without a usable best.pt whose placement needs one for the LM family
+   (protocol.reuse_needs_model: runs of early sessions lost it with the checkout), in DIR at its commit, at the
+   run's own settings (rate, SpecAugment, schedule, seed; stage tune, which takes them as given, so that the run
+   depends on no other): a finished run afresh (train.rerun=true, its first results kept beside it as
+   results-first-training.json), one stopped half-way from its last epoch. Two 1-thread jobs at once; the first
+   failure stops what has not started.
+3. Refuses if the retraining changed any variant's choice of rate, SpecAugment or schedule (another machine's
+   rounding can: then the verdict's rows are not the ones written down, and the study is not finished).
+4. Keeps every ended run not yet kept, decodes the verdict's runs with the word LM from this checkout (python -m
+   batchrnn.evaluate decode, cached per run), so that every one is decoded by today's rule (the LM grid's widening
+   past an edge came after some pinned commits), copies their results.json (and results-first-training.json) over
+   the kept ones in experiments/results/STUDY, and writes the report there (python -m batchrnn.report, REPORT
+   ARGS, e.g. --inference FILE).
 
-Each step skips what is done, so running it again after a stop resumes. What ran goes to DIR/commands.log.
+What ran goes to DIR/commands.log, each retraining's output to DIR/finish-RUN.log.
 """
 from __future__ import annotations
 
@@ -28,9 +35,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from batchrnn.training.identity import AUGMENT, LR, SCHEDULE, flatten
+from batchrnn.training.rundir import RunFolder
+
 MAIN = Path(__file__).resolve().parents[1]
 KEPT = MAIN / "experiments" / "results"
 BEFORE = "results-first-training.json"  # a retrained run's results.json as its first training left it
+LISTED = "finish-verdict-runs.json"  # in DIR: the runs to train again and the choices, from the ended study
+ENDED = ("finished", "diverged")
 
 
 def log(dir_: Path, line: str) -> None:
@@ -52,40 +64,64 @@ def study_running(dir_: Path) -> list[int]:
     return pids
 
 
-def unfinished(report: dict) -> list[str]:
+def unfinished(report: dict, rows: int | None = None) -> list[str]:
     """What the study has still to run, from its report.json: an empty list once every run of it has ended."""
     going = report["running"] + report["stopped"]
     left = [f"{going} runs running or stopped half-way"] if going else []
     for t in report["tuning"]:
         if t["lr"] is None or t["missing"] or t["augment_missing"] or t["patience_missing"]:
             left.append(f"{t['label']}: tuning")
-    seeds = len(report["preregistered"]["seeds"]) if report.get("preregistered") else None
+    seeds = len(report["protocol"]["seeds"])  # the seeds the runs were made with (the same list for all, or refused)
     for row in report["rows"]:
-        if seeds is not None and len(row["seeds"]) + row["diverged"] < seeds:
+        if len(row["seeds"]) + row["diverged"] < seeds:
             left.append(f"{row['label']}: {len(row['seeds']) + row['diverged']} of {seeds} seeds")
-    if not report["rows"]:
-        left.append("no verdict yet")
+    if rows is not None and len(report["rows"]) < rows:
+        left.append(f"{len(report['rows'])} of {rows} variants with a verdict")
     return left
 
 
-def retrains(paths: list[Path]) -> list[tuple[Path, list[str]]]:
-    """(run folder, src/run.py overrides) of each verdict run to train again: its placement needs best.pt for the LM
-    (protocol.reuse_needs_model) and it has none. train.rerun=true only for a finished run: one stopped half-way by
-    an earlier call resumes from its last epoch."""
+def choices(report: dict) -> dict:
+    """Each variant's tuned rate, SpecAugment and schedule, as the report chose them."""
+    return {t["label"]: [t["lr"], t.get("augment"), t.get("patience")] for t in report["tuning"]}
+
+
+def model_fault(path: Path, config: dict) -> str | None:
+    """What makes the run's best.pt unusable for the LM decoding (missing, damaged, another model's), or None."""
+    return RunFolder(path).best_fault(config)
+
+
+def to_retrain(verdict_runs: list[dict]) -> list[dict]:
+    """{path, overrides} of each verdict run to train again: its placement needs best.pt for the LM
+    (protocol.reuse_needs_model) and has no usable one. The overrides give the run's own settings, so that it
+    lands in its own folder and depends on no other run."""
     out = []
-    for path in paths:
-        result = json.loads((path / "results.json").read_text()) if (path / "results.json").exists() else None
-        if result is None:
-            raise SystemExit(f"error: {path} has no results.json; the verdict names it, so the report is out of "
-                             "date: run this again")
+    for v in verdict_runs:
+        path = Path(v["path"])
+        result = json.loads((path / "results.json").read_text())
         config = result["config"]
-        if config["model"]["bn"] not in config["protocol"].get("reuse_needs_model", []) or (path / "best.pt").exists():
+        if config["model"]["bn"] not in config["protocol"].get("reuse_needs_model", []) \
+                or model_fault(path, config) is None:
             continue
-        overrides = [f"experiment={result['preset']}", f"model.rnn={config['model']['rnn']}",
-                     f"model.bn={config['model']['bn']}", "protocol.stage=final", f"seed={result['seed']}",
-                     "train.threads=1", "hydra.run.dir=${hydra.sweep.dir}"]
-        out.append((path, overrides + ["train.rerun=true"] * (result.get("status") == "finished")))
+        flat = flatten(config)
+        out.append({"path": str(path), "overrides": [
+            f"experiment={result['preset']}", f"model.rnn={flat['model.rnn']}", f"model.bn={flat['model.bn']}",
+            "protocol.stage=tune", f"seed={result['seed']}", *(f"{k}={json.dumps(flat[k])}" for k in (LR, AUGMENT, *SCHEDULE)),
+            "train.threads=1"]})
     return out
+
+
+def report_json(study_dir: Path) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "batchrnn.report", str(study_dir), "--out", tmp], check=True,
+                       stdout=subprocess.DEVNULL)
+        return json.loads((Path(tmp) / "report.json").read_text())
+
+
+def status(path: Path) -> str | None:
+    try:
+        return json.loads((path / "results.json").read_text()).get("status")
+    except (OSError, ValueError):
+        return None
 
 
 def same_figures(path: Path) -> str:
@@ -96,11 +132,46 @@ def same_figures(path: Path) -> str:
     return f"test WER {before} first, {after} now" + (" (the same)" if before == after else "")
 
 
-def report_json(study_dir: Path, extra: list[str] = ()) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "batchrnn.report", str(study_dir), "--out", tmp, *extra], check=True,
-                       stdout=subprocess.DEVNULL)
-        return json.loads((Path(tmp) / "report.json").read_text())
+def retrain_all(dir_: Path, entries: list[dict], jobs: int) -> bool:
+    """Trains each entry whose best.pt is still unusable; False at the first failure (the rest not started)."""
+    python = dir_ / ".venv" / "bin" / "python"
+
+    def retrain(entry: dict) -> tuple[Path, int]:
+        path, overrides = Path(entry["path"]), list(entry["overrides"])
+        if status(path) == "finished":  # its first training, without a usable best.pt: afresh, its figures kept
+            if not (path / BEFORE).exists():
+                shutil.copy2(path / "results.json", path / BEFORE)
+            overrides.append("train.rerun=true")
+        log(dir_, f"train again {path.name}: {' '.join(overrides)}")
+        with open(dir_ / f"finish-{path.name}.log", "a") as out:
+            code = subprocess.run([str(python), "src/run.py", *overrides], cwd=dir_, stdout=out, stderr=out,
+                                  env=os.environ | {"OMP_NUM_THREADS": "1", "GOMP_SPINCOUNT": "10000"}).returncode
+        return path, code
+
+    todo = [e for e in entries if status(Path(e["path"])) != "finished"
+            or model_fault(Path(e["path"]), json.loads((Path(e["path"]) / "results.json").read_text())["config"])]
+    log(dir_, f"{len(todo)} of {len(entries)} verdict runs to train again for the LM")
+    with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
+        futures = [pool.submit(retrain, e) for e in todo]
+        for future in concurrent.futures.as_completed(futures):
+            path, code = future.result()
+            fault = model_fault(path, json.loads((path / "results.json").read_text())["config"]) \
+                if status(path) == "finished" else f"the run is {status(path) or 'without results'}"
+            if code or fault:
+                pool.shutdown(wait=False, cancel_futures=True)
+                log(dir_, f"{path.name}: exit status {code}, best.pt {fault or 'usable'}; see "
+                          f"{dir_ / f'finish-{path.name}.log'}; the retraining that had not started did not start, "
+                          "one still going ends first")
+                return False
+            log(dir_, f"{path.name}: trained again, best.pt written; {same_figures(path)}")
+    return True
+
+
+def keep(source: Path, kept: Path) -> None:
+    kept.mkdir(parents=True, exist_ok=True)
+    for name in ("results.json", BEFORE):
+        if (source / name).exists():
+            shutil.copy2(source / name, kept / name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                                 epilog="arguments after -- go to python -m batchrnn.report (e.g. --inference FILE)")
     p.add_argument("dir", type=Path, help="the pinned checkout the study ran in (pinned_study.sh's DIR)")
     p.add_argument("--study", default="an4_cpu_patience", help="the study's folder under DIR/runs (default: %(default)s)")
+    p.add_argument("--rows", type=int, help="the verdict's rows: the variants the study was started with")
     p.add_argument("--jobs", type=int, default=2, help="retraining runs at once, 1 thread each (default: %(default)s)")
     argv = sys.argv[1:] if argv is None else argv
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -119,48 +191,39 @@ def main(argv: list[str] | None = None) -> int:
     if pids := study_running(dir_):
         p.error(f"the study is still running in {dir_} (processes {pids}): finish it once it has ended (it writes "
                 f"{runs / 'report.md'} then)")
-    # The verdict's runs are read once, from a study that has ended, and written down: a retraining stopped half-way
-    # takes its run out of the verdict until it ends, so a later call goes on from the list
-    listed = dir_ / "finish-verdict-runs.json"
-    if not listed.exists():
+    listed = dir_ / LISTED
+    if not listed.exists():  # read once from the ended study: a retraining stopped half-way leaves the verdict
         report = report_json(runs)
-        if left := unfinished(report):
+        if left := unfinished(report, args.rows):
             p.error(f"the study has runs to come, so it is not finished: {'; '.join(left)}. Resume it "
                     "(make patience-study COMMIT=...) and finish once its report says every variant's verdict is in")
-        listed.write_text(json.dumps([v["path"] for v in report["verdict_runs"]], indent=1))
-    todo = retrains([Path(v) for v in json.loads(listed.read_text())])
-    log(dir_, f"{len(todo)} verdict runs to train again for the LM (no best.pt)")
-    python = dir_ / ".venv" / "bin" / "python"
+        listed.write_text(json.dumps({"retrain": to_retrain(report["verdict_runs"]), "choices": choices(report)},
+                                     indent=1))
+    plan = json.loads(listed.read_text())
+    if not retrain_all(dir_, plan["retrain"], args.jobs):
+        return 1
+    report = report_json(runs)
+    if changed := {k: (v, choices(report).get(k)) for k, v in plan["choices"].items() if choices(report).get(k) != v}:
+        p.error(f"retraining changed the tuning's choices ({changed}: [rate, SpecAugment, schedule] before and after), "
+                f"so the verdict's runs are others than {listed} lists: the study is not finished. Remove {listed}, "
+                "resume the study for the runs its new choices need, and finish again")
+    if left := unfinished(report, args.rows):
+        p.error(f"after the retraining the study still has runs to come: {'; '.join(left)}")
 
-    def retrain(job: tuple[Path, list[str]]) -> tuple[Path, int]:
-        path, overrides = job
-        if "train.rerun=true" in overrides:  # kept for the check: on the machine it first ran on, the same figures
-            shutil.copy2(path / "results.json", path / BEFORE)
-        log(dir_, f"train again {path.name}: {' '.join(overrides)}")
-        with open(dir_ / f"finish-{path.name}.log", "a") as out:
-            code = subprocess.run([str(python), "src/run.py", *overrides], cwd=dir_, stdout=out, stderr=out,
-                                  env=os.environ | {"OMP_NUM_THREADS": "1", "GOMP_SPINCOUNT": "10000"}).returncode
-        return path, code
-
-    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        for path, code in pool.map(retrain, todo):
-            if code or not (path / "best.pt").exists():
-                log(dir_, f"{path.name}: exit status {code}, best.pt {'there' if (path / 'best.pt').exists() else 'missing'}"
-                          f"; see {dir_ / f'finish-{path.name}.log'}")
-                return 1
-            log(dir_, f"{path.name}: trained again, best.pt written; {same_figures(path)}")
-
-    log(dir_, f"decode with the LM: {runs}")
-    subprocess.run([sys.executable, "-m", "batchrnn.evaluate", "decode", str(runs), "--data-root", str(dir_ / "data")],
-                   check=True)
-    copied = 0
-    for result in sorted(runs.glob("*/results.json")):
-        if (kept / result.parent.name).is_dir():
-            shutil.copy2(result, kept / result.parent.name / "results.json")
-            copied += 1
-    log(dir_, f"copied {copied} results.json into {kept}")
+    verdict = [Path(v["path"]) for v in report["verdict_runs"]]
+    ended = [r for r in sorted(runs.glob("*/results.json")) if status(r.parent) in ENDED
+             and not (kept / r.parent.name / "results.json").exists()]
+    for r in ended:
+        keep(r.parent, kept / r.parent.name)
+    log(dir_, f"kept {len(ended)} ended runs not kept before; decoding the verdict's {len(verdict)} runs with the LM")
+    subprocess.run([sys.executable, "-m", "batchrnn.evaluate", "decode", *map(str, verdict),
+                    "--data-root", str(dir_ / "data")], check=True)
+    for path in verdict:
+        keep(path, kept / path.name)
+    log(dir_, f"copied the verdict's {len(verdict)} results.json into {kept}")
     subprocess.run([sys.executable, "-m", "batchrnn.report", str(kept), *extra], check=True)
     log(dir_, f"report written in {kept} (report args: {' '.join(extra) or 'none'})")
+    listed.unlink()  # finished: a later call reads the study afresh
     return 0
 
 

@@ -18,7 +18,7 @@ kept; the final seeds are taken over where they can be. Most: the rate widens to
 either edge where the grid is not done), is chosen there, and 6/12 and 12/24 both train, so every final seed trains.
 A run's hours: the variant's mean over its runs so far (epochs x median epoch time, as they ran, two 1-thread jobs
 at once), patience's as above. Apart: the tuning runs at the kept rate whose best.pt is no longer in --checkpoints
-(the pinned study's run folders), which train again by hand before the LM decoding (docs/protocol.md). An estimate
+(the pinned study's run folders), which train again before the LM decoding (make patience-finish, docs/protocol.md). An estimate
 to plan sessions by, not a measurement.
 """
 import argparse
@@ -152,7 +152,7 @@ def left(folder: Path, earlier: Path, checkpoints: Path | None) -> None:
             total[case][1] += h
             row.append(f"{n} ({h:.1f} h)")
         # The tuning runs at the rate the fewest case keeps whose best.pt is gone: the LM decodes only what has one,
-        # so these train again by hand at the study's end (docs/protocol.md, train.rerun=true); counted apart
+        # so these train again at the study's end (make patience-finish); counted apart
         rerun = [k for k in done if k[:2] == v and k[2:5] == (lr, True, wait) and needs_model and checkpoints
                  and not (checkpoints / Path(done[k]["path"]).name / "best.pt").exists()]
         now = f"{lr:g} ({100 * means[lr]:.1f})" if chosen is not None else "not tuned yet"
@@ -163,7 +163,7 @@ def left(folder: Path, earlier: Path, checkpoints: Path | None) -> None:
         print(f"{case}: {n} runs left to train, {h:.0f} h of training epochs (about {h / 2:.0f} h of the 2-core "
               f"machine at two 1-thread jobs)")
     if checkpoints:
-        print(f"and {total['rerun']} runs to train again by hand for the LM decoding (their best.pt gone), about "
+        print(f"and {total['rerun']} runs to train again for the LM decoding (their best.pt gone; make patience-finish), about "
               "as long as a tuning run each")
 
 

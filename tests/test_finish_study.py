@@ -1,5 +1,6 @@
-"""experiments/finish_study.py, the end of a pinned study: which verdict runs train again for the LM, when it refuses,
-and the order of its steps (training and decoding stand in: the real ones run at a study's end)."""
+"""experiments/finish_study.py, the end of a pinned study: which verdict runs train again for the LM and with what,
+when it refuses, and the order of its steps (training, decoding and the report stand in here: the real ones run at
+a study's end)."""
 import importlib.util
 import json
 import subprocess
@@ -17,30 +18,38 @@ spec.loader.exec_module(finish)
 def run_folder(runs: Path, name: str, bn: str, seed: int, status: str = "finished", best: bool = False) -> Path:
     path = runs / name
     path.mkdir(parents=True)
-    config = {"model": {"rnn": "gru", "bn": bn}, "protocol": {"reuse_needs_model": ["none", "seqwise", "ln"]}}
+    config = {"model": {"rnn": "gru", "bn": bn}, "protocol": {"reuse_needs_model": ["none", "seqwise", "ln"]},
+              "train": {"lr": 5e-4, "spec_augment": {"enabled": False}, "plateau_wait": 6, "patience": 12,
+                        "epochs": 300}}
     (path / "results.json").write_text(json.dumps({"preset": "an4_cpu_patience", "seed": seed, "status": status,
-                                                   "config": config}))
+                                                   "test_wer": 0.1, "config": config}))
     if best:
         (path / "best.pt").write_bytes(b"weights")
     return path
 
 
-def test_only_the_lm_placements_runs_without_best_pt_train_again(tmp_path):
-    paths = [run_folder(tmp_path, "none-s1", "none", 1),  # finished, best.pt gone: afresh
+@pytest.fixture(autouse=True)
+def best_pt_by_presence(monkeypatch):
+    """A stand-in best.pt is usable where it exists (the real check loads the model)."""
+    monkeypatch.setattr(finish, "model_fault", lambda path, config: None if (path / "best.pt").exists() else "missing")
+
+
+def test_only_the_lm_placements_runs_without_best_pt_train_again_at_their_own_settings(tmp_path):
+    paths = [run_folder(tmp_path, "none-s1", "none", 1),  # best.pt gone: trains again
              run_folder(tmp_path, "none-s2", "none", 2, best=True),  # decodable as it is
-             run_folder(tmp_path, "post-s1", "post", 1),  # greedy family only: left as it is
-             run_folder(tmp_path, "seqwise-s3", "seqwise", 3, status="running")]  # stopped half-way: resumes
-    todo = dict(finish.retrains(paths))
-    assert sorted(p.name for p in todo) == ["none-s1", "seqwise-s3"]
-    assert todo[tmp_path / "none-s1"] == ["experiment=an4_cpu_patience", "model.rnn=gru", "model.bn=none",
-                                          "protocol.stage=final", "seed=1", "train.threads=1",
-                                          "hydra.run.dir=${hydra.sweep.dir}", "train.rerun=true"]
-    assert "train.rerun=true" not in todo[tmp_path / "seqwise-s3"] and "seed=3" in todo[tmp_path / "seqwise-s3"]
+             run_folder(tmp_path, "post-s1", "post", 1)]  # greedy family only: left as it is
+    todo = finish.to_retrain([{"path": str(p)} for p in paths])
+    assert [Path(e["path"]).name for e in todo] == ["none-s1"]
+    assert todo[0]["overrides"] == [
+        "experiment=an4_cpu_patience", "model.rnn=gru", "model.bn=none", "protocol.stage=tune", "seed=1",
+        "train.lr=0.0005", "train.spec_augment.enabled=false", "train.plateau_wait=6", "train.patience=12",
+        "train.epochs=300", "train.threads=1"]
 
 
 def report(**changes) -> dict:
-    base = {"running": 0, "stopped": 0, "preregistered": {"seeds": [1, 2]},
-            "tuning": [{"label": "gru-none", "lr": 0.001, "missing": [], "augment_missing": [], "patience_missing": []}],
+    base = {"running": 0, "stopped": 0, "protocol": {"seeds": [1, 2]},
+            "tuning": [{"label": "gru-none", "lr": 0.001, "augment": True, "patience": 1, "missing": [],
+                        "augment_missing": [], "patience_missing": []}],
             "rows": [{"label": "gru-none", "seeds": [1, 2], "diverged": 0}]}
     return base | changes
 
@@ -53,65 +62,100 @@ def test_a_study_with_runs_to_come_is_not_finished():
                                              "augment_missing": [], "patience_missing": []}])) == ["gru-post: tuning"]
     assert finish.unfinished(report(rows=[{"label": "gru-none", "seeds": [1], "diverged": 0}])) == [
         "gru-none: 1 of 2 seeds"]
+    assert finish.unfinished(report(), rows=2) == ["1 of 2 variants with a verdict"], "a variant never started"
 
 
 @pytest.fixture
 def study(tmp_path, monkeypatch):
     """A pinned checkout whose study has ended: gru-none seeds 1 (best.pt gone) and 2, gru-post seed 1 (no best.pt,
-    greedy only), each kept in the main checkout; every subprocess recorded, training writing best.pt."""
+    greedy only), gru-none s1 and gru-post s1 kept in the main checkout; every subprocess recorded, training writing
+    best.pt and new figures, decoding adding its own."""
     dir_, kept = tmp_path / "study", tmp_path / "kept"
     runs = dir_ / "runs" / "an4_cpu_patience"
     paths = [run_folder(runs, "gru-none-s1", "none", 1), run_folder(runs, "gru-none-s2", "none", 2, best=True),
              run_folder(runs, "gru-post-s1", "post", 1)]
-    for p in paths:
+    for p in (paths[0], paths[2]):
         (kept / "an4_cpu_patience" / p.name).mkdir(parents=True)
+        (kept / "an4_cpu_patience" / p.name / "results.json").write_text("{}")
     monkeypatch.setattr(finish, "KEPT", kept)
-    monkeypatch.setattr(finish, "report_json", lambda runs_dir: report(verdict_runs=[{"path": str(p)} for p in paths]))
+    reports = []
+    monkeypatch.setattr(finish, "report_json", lambda runs_dir: reports.append(1) or report(
+        verdict_runs=[{"path": str(p)} for p in paths]))
     calls = []
 
     def fake_run(cmd, cwd=None, **kwargs):
         calls.append(([str(c) for c in cmd], cwd))
-        if "src/run.py" in cmd:  # training writes best.pt and the results the decoding then adds to
+        if "src/run.py" in cmd:
+            assert "train.rerun=true" in cmd, "the first training finished: afresh"
+            result = json.loads((runs / "gru-none-s1" / "results.json").read_text())
+            (runs / "gru-none-s1" / "results.json").write_text(json.dumps(result | {"test_wer": 0.09}))
             (runs / "gru-none-s1" / "best.pt").write_bytes(b"weights")
         if "decode" in cmd:
-            for p in paths:
-                result = json.loads((p / "results.json").read_text())
-                (p / "results.json").write_text(json.dumps(result | {"decoded": p.name}))
+            for p in cmd[cmd.index("decode") + 1:-2]:
+                result = json.loads((Path(p) / "results.json").read_text())
+                (Path(p) / "results.json").write_text(json.dumps(result | {"decoded": Path(p).name}))
         return subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(finish.subprocess, "run", fake_run)
-    return dir_, kept, calls
+    return dir_, kept, calls, paths
 
 
 def test_finishing_trains_again_then_decodes_then_keeps_and_reports(study):
-    dir_, kept, calls = study
+    dir_, kept, calls, paths = study
     assert finish.main([str(dir_), "--", "--inference", "bench.jsonl"]) == 0
     (train, train_cwd), (decode, _), (report_cmd, _) = calls
     assert train[:2] == [str(dir_ / ".venv" / "bin" / "python"), "src/run.py"] and train_cwd == dir_
-    assert "model.bn=none" in train and "seed=1" in train and "train.rerun=true" in train
-    assert decode[-4:] == ["decode", str(dir_ / "runs" / "an4_cpu_patience"), "--data-root", str(dir_ / "data")]
+    assert "model.bn=none" in train and "seed=1" in train and "train.lr=0.0005" in train
+    assert decode[-2:] == ["--data-root", str(dir_ / "data")] and decode[-5:-2] == [str(p) for p in paths]
     assert report_cmd[-3:] == [str(kept / "an4_cpu_patience"), "--inference", "bench.jsonl"]
-    for name in ("gru-none-s1", "gru-none-s2", "gru-post-s1"):
-        assert json.loads((kept / "an4_cpu_patience" / name / "results.json").read_text())["decoded"] == name
-    assert "finish: copied 3 results.json" in (dir_ / "commands.log").read_text()
-    first = json.loads((dir_ / "runs" / "an4_cpu_patience" / "gru-none-s1" / finish.BEFORE).read_text())
-    assert first["status"] == "finished" and "decoded" not in first, "the first training's results, kept"
+    for p in paths:  # the verdict's runs, decoded, kept; gru-none-s2 kept for the first time
+        assert json.loads((kept / "an4_cpu_patience" / p.name / "results.json").read_text())["decoded"] == p.name
+    first = json.loads((kept / "an4_cpu_patience" / "gru-none-s1" / finish.BEFORE).read_text())
+    assert first["test_wer"] == 0.1 and "decoded" not in first, "the first training's figures, kept too"
+    assert "gru-none-s1: trained again, best.pt written; test WER 0.1 first, 0.09 now" in (
+        dir_ / "commands.log").read_text()
+    assert not (dir_ / finish.LISTED).exists(), "finished: the next call reads the study afresh"
     calls.clear()
-    assert finish.main([str(dir_)]) == 0, "run again: nothing left to train, decoding and the report again"
+    assert finish.main([str(dir_)]) == 0, "run again: nothing left to train; decoding (cached) and the report again"
     assert not any("src/run.py" in cmd for cmd, _ in calls)
 
 
-def test_a_retraining_that_fails_stops_before_decoding_and_says_where_its_log_is(study, monkeypatch, capsys):
-    dir_, kept, calls = study
-    monkeypatch.setattr(finish.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or
-                        subprocess.CompletedProcess(cmd, 1))
+def test_a_retraining_that_fails_stops_before_decoding_and_the_next_call_goes_on_from_the_list(study, monkeypatch,
+                                                                                                capsys):
+    dir_, kept, calls, paths = study
+    failed = []
+
+    def fails(cmd, **kw):  # stopped in its first epoch: results.json gone with train.rerun, nothing written yet
+        failed.append(cmd)
+        (paths[0] / "results.json").unlink()
+        return subprocess.CompletedProcess(cmd, 1)
+
+    monkeypatch.setattr(finish.subprocess, "run", fails)
     assert finish.main([str(dir_)]) == 1
-    assert len(calls) == 1, "no decoding after a failed retraining"
+    assert len(failed) == 1, "no decoding after a failed retraining"
     assert f"see {dir_ / 'finish-gru-none-s1.log'}" in capsys.readouterr().out
+    assert (dir_ / finish.LISTED).exists()
+    monkeypatch.setattr(finish.subprocess, "run", lambda cmd, **kw: failed.append(cmd) or (
+        subprocess.CompletedProcess(cmd, 1)))
+    assert finish.main([str(dir_)]) == 1
+    assert "train.rerun=true" not in failed[-1] and "seed=1" in failed[-1], "resumed from the list, not afresh"
+
+
+def test_a_retraining_that_changes_a_choice_is_refused(study, monkeypatch, capsys):
+    dir_, kept, calls, paths = study
+    before = report(verdict_runs=[{"path": str(p)} for p in paths])
+    after = report(verdict_runs=[], tuning=[before["tuning"][0] | {"lr": 0.002}])
+    answers = iter([before, after])
+    monkeypatch.setattr(finish, "report_json", lambda runs_dir: next(answers))
+    with pytest.raises(SystemExit):
+        finish.main([str(dir_)])
+    assert "retraining changed the tuning's choices ({'gru-none': ([0.001, True, 1], [0.002, True, 1])" in \
+        capsys.readouterr().err
+    assert not any("decode" in cmd for cmd, _ in calls)
 
 
 def test_it_refuses_a_study_with_runs_to_come_or_a_folder_that_is_not_one(study, monkeypatch, capsys, tmp_path):
-    dir_, kept, calls = study
+    dir_, kept, calls, paths = study
     monkeypatch.setattr(finish, "report_json", lambda runs_dir: report(stopped=2, verdict_runs=[]))
     with pytest.raises(SystemExit):
         finish.main([str(dir_)])
@@ -119,4 +163,4 @@ def test_it_refuses_a_study_with_runs_to_come_or_a_folder_that_is_not_one(study,
     with pytest.raises(SystemExit):
         finish.main([str(tmp_path / "elsewhere")])
     assert "elsewhere/runs/an4_cpu_patience does not exist" in capsys.readouterr().err
-    assert calls == []
+    assert calls == [] and not (dir_ / finish.LISTED).exists()

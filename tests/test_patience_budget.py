@@ -36,7 +36,7 @@ def test_runs_left_follow_the_protocol(tmp_path):
             if line.startswith("| ") and not line.startswith("| variant")}
     # gru-none (none needs its best.pt, so nothing is taken from the converged study). Fewest: 5e-4 past the edge
     # (2), SpecAugment off (2), 6/12 (2), seeds 3-6 (4); most: 5e-4 and 2.5e-4 (4), 2, 6/12 and 12/24 (4), 4. Its two
-    # tuning runs at 1e-3, their best.pt gone, train again by hand for the LM.
+    # tuning runs at 1e-3, their best.pt gone, train again for the LM (make patience-finish).
     assert rows["gru-none"][1].startswith("0.001 (") and rows["gru-none"][2] == "0"
     assert rows["gru-none"][3].startswith("10 (") and rows["gru-none"][4].startswith("14 (")
     assert rows["gru-none"][5] == "2"
@@ -45,4 +45,4 @@ def test_runs_left_follow_the_protocol(tmp_path):
     assert rows["lstm-post"][3].startswith("4 (") and rows["lstm-post"][4].startswith("13 (")
     assert rows["lstm-post"][5] == "0"
     assert "fewest: 14 runs left to train" in out and "most: 27 runs left to train" in out
-    assert "and 2 runs to train again by hand" in out
+    assert "and 2 runs to train again for the LM decoding" in out

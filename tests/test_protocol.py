@@ -62,6 +62,11 @@ def test_each_variant_gets_the_rate_with_the_lowest_mean_validation_wer():
     assert seqwise["lr"] is None and seqwise["missing"] == [(1e-3, 2), (2e-3, 2), (4e-3, 2)]
     tie = choose_lrs([result(1e-3, 1, 0.3), result(2e-3, 1, 0.3)], [2e-3, 1e-3], [1])
     assert [c["lr"] for c in tie.values()] == [1e-3]  # a tie goes to the smaller rate
+    words = 514  # equal error counts over the seeds: a tie, though the ratios' float sums differ in the last bit
+    assert (120 / words + 127 / words) / 2 > (121 / words + 126 / words) / 2
+    tie = choose_lrs([result(1e-3, 1, 120 / words), result(1e-3, 2, 127 / words), result(2e-3, 1, 121 / words),
+                      result(2e-3, 2, 126 / words)], [1e-3, 2e-3], [1, 2])
+    assert [c["lr"] for c in tie.values()] == [1e-3]
     running = choose_lrs([result(1e-3, 1, 0.3), result(2e-3, 1, 0.1, "running")], [1e-3, 2e-3], [1])
     assert [c["lr"] for c in running.values()] == [None]
     twice = choose_lrs([result(1e-3, 1, 0.1, "running"), result(1e-3, 1, 0.3), result(2e-3, 1, 0.2)], [1e-3, 2e-3], [1])

@@ -26,7 +26,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from batchrnn.study.protocol import protocol_choice, rate, schedule_of, val_wer_for_choice
+from batchrnn.study.protocol import mean_of, protocol_choice, rate, schedule_of, val_wer_for_choice
 from batchrnn.training.identity import variant_key
 from batchrnn.training.rundir import read_study
 
@@ -116,7 +116,7 @@ def left(folder: Path, earlier: Path, checkpoints: Path | None) -> None:
         # the runs to train: neither ended here nor to be taken from the converged study
         missing = lambda lr, on, w, seeds: [s for s in seeds if (*v, lr, on, w, s) not in done  # noqa: E731
                                             and (needs_model or (*v, lr, on, w, s) not in before)]
-        means = {lr: statistics.mean(val_wer_for_choice(done[*v, lr, True, wait, s]) for s in tune)
+        means = {lr: mean_of([val_wer_for_choice(done[*v, lr, True, wait, s]) for s in tune])  # as the protocol ties
                  for lr in {k[2] for k in done if k[:2] == v} if all((*v, lr, True, wait, s) in done for s in tune)}
         grid_left = sum(len(missing(x, True, wait, tune)) for x in grid)
         chosen = min(means, key=lambda x: (means[x], x)) if means and grid_left == 0 else None

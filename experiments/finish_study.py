@@ -124,6 +124,17 @@ def status(path: Path) -> str | None:
         return None
 
 
+def pending(path: Path) -> str | None:
+    """Why the run still needs training (not finished, or no usable best.pt), or None."""
+    try:
+        result = json.loads((path / "results.json").read_text())
+    except (OSError, ValueError):
+        return "the run is without results"
+    if result.get("status") != "finished":
+        return f"the run is {result.get('status')}"
+    return model_fault(path, result["config"])
+
+
 def same_figures(path: Path) -> str:
     """The retrained run's test WER beside the first training's (the same on the machine that first ran it)."""
     if not (path / BEFORE).exists():
@@ -148,18 +159,16 @@ def retrain_all(dir_: Path, entries: list[dict], jobs: int) -> bool:
                                   env=os.environ | {"OMP_NUM_THREADS": "1", "GOMP_SPINCOUNT": "10000"}).returncode
         return path, code
 
-    todo = [e for e in entries if status(Path(e["path"])) != "finished"
-            or model_fault(Path(e["path"]), json.loads((Path(e["path"]) / "results.json").read_text())["config"])]
+    todo = [e for e in entries if pending(Path(e["path"]))]
     log(dir_, f"{len(todo)} of {len(entries)} verdict runs to train again for the LM")
     with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
         futures = [pool.submit(retrain, e) for e in todo]
         for future in concurrent.futures.as_completed(futures):
             path, code = future.result()
-            fault = model_fault(path, json.loads((path / "results.json").read_text())["config"]) \
-                if status(path) == "finished" else f"the run is {status(path) or 'without results'}"
+            fault = pending(path)
             if code or fault:
                 pool.shutdown(wait=False, cancel_futures=True)
-                log(dir_, f"{path.name}: exit status {code}, best.pt {fault or 'usable'}; see "
+                log(dir_, f"{path.name}: exit status {code}, {fault or 'best.pt usable'}; see "
                           f"{dir_ / f'finish-{path.name}.log'}; the retraining that had not started did not start, "
                           "one still going ends first")
                 return False

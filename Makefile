@@ -3,7 +3,7 @@ PY := .venv/bin/python
 STAMP := .venv/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
 SWEEP ?= runs/an4_cpu_plateau
 
-.PHONY: help venv test test-slow smoke reproduce-an4 reproduce-depth reproduce-norms studies patience-study patience-finish report bench gpu-check clean
+.PHONY: help venv test test-slow smoke reproduce-an4 reproduce-depth reproduce-norms studies patience-study patience-decode patience-finish report bench gpu-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -41,6 +41,9 @@ studies: $(STAMP) ## every protocol study as one schedule, resumable: the grid, 
 PATIENCE := experiment=an4_cpu_patience model.rnn=gru,lstm model.bn=none,post,input,skip,seqwise,ln,ln_full,wn hydra/launcher=parallel
 patience-study: ## the patience study from a checkout pinned to COMMIT (default HEAD) in DIR (../study-patience), in the background; run again to resume
 	bash experiments/pinned_study.sh $(or $(COMMIT),HEAD) $(or $(DIR),../study-patience) -- $(PATIENCE)
+
+patience-decode: $(STAMP) ## before the machine goes, the patience study stopped: its finished runs decoded with the LM while their best.pt is here, and kept
+	$(PY) experiments/finish_study.py $(or $(DIR),../study-patience) --decode-ended
 
 patience-finish: $(STAMP) ## after the patience study's last run: verdict runs without best.pt trained again, LM decoding, results kept, report
 	$(PY) experiments/finish_study.py $(or $(DIR),../study-patience) --rows 16 -- \

@@ -21,12 +21,20 @@ command (docs/protocol.md, the patience study's end):
    ARGS, e.g. --inference FILE).
 
 What ran goes to DIR/commands.log, each retraining's output to DIR/finish-RUN.log.
+
+    python experiments/finish_study.py ../study-patience --decode-ended   (make patience-decode)
+
+Before the machine goes (each session's end, the study stopped): decodes with the word LM, by this checkout's rule,
+every finished run in DIR that has its best.pt and whose kept results.json holds no decoding by that rule, and keeps
+its results.json. A verdict run so decoded needs no retraining at the end, though its best.pt is gone with the
+machine.
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
 import datetime
+import functools
 import json
 import os
 import shutil
@@ -90,17 +98,54 @@ def model_fault(path: Path, config: dict) -> str | None:
     return RunFolder(path).best_fault(config)
 
 
+@functools.cache
+def today(data_root: str, data: str) -> dict:
+    """This checkout's LM decoding rule (python -m batchrnn.evaluate decode's: the schema's beam and grid, the
+    3-gram built from the study's training transcripts under data_root), for runs of these data settings."""
+    from batchrnn.config import DecodeConfig
+    from batchrnn.data.corpus import prepare_corpus
+    from batchrnn.decoding.beam import Decoder, language_model
+    from batchrnn.decoding.tuning import rule
+    from batchrnn.evaluate import data_config
+
+    cfg, settings = DecodeConfig(decoder=Decoder.beam), data_config({"config": {"data": json.loads(data)}}, data_root)
+    return rule(cfg, language_model(cfg, settings, prepare_corpus(settings)))
+
+
+def lm_fault(path: Path, result: dict) -> str | None:
+    """What makes the run's results.json `lm` other than this checkout's decoding (none, or another rule's), or None:
+    then the run needs its best.pt no more (path: DIR/runs/STUDY/RUN, its data under DIR/data, which the LM's
+    part of the rule reads only where the rest agrees)."""
+    from batchrnn.config import DecodeConfig
+    from batchrnn.decoding.beam import Decoder
+    from batchrnn.decoding.tuning import other_rule, rule
+
+    if fault := other_rule(result.get("lm"), rule(DecodeConfig(decoder=Decoder.beam))):
+        return fault
+    data_root = str(path.resolve().parents[2] / "data")
+    return other_rule(result.get("lm"), today(data_root, json.dumps(result["config"]["data"], sort_keys=True)))
+
+
+def needs_model(path: Path, result: dict) -> str | None:
+    """Why the finished run still needs a usable best.pt for the LM family (none, and its `lm` not decoded by this
+    checkout's rule), or None."""
+    if (fault := model_fault(path, result["config"])) is None:
+        return None
+    return None if lm_fault(path, result) is None else f"best.pt {fault}, {lm_fault(path, result)}"
+
+
 def to_retrain(verdict_runs: list[dict]) -> list[dict]:
     """{path, overrides} of each verdict run to train again: its placement needs best.pt for the LM
-    (protocol.reuse_needs_model) and has no usable one. The overrides give the run's own settings, so that it
-    lands in its own folder and depends on no other run."""
+    (protocol.reuse_needs_model), it has no usable one, and it was not decoded by this checkout's rule while it
+    had (--decode-ended). The overrides give the run's own settings, so that it lands in its own folder and depends
+    on no other run."""
     out = []
     for v in verdict_runs:
         path = Path(v["path"])
         result = json.loads((path / "results.json").read_text())
         config = result["config"]
         if config["model"]["bn"] not in config["protocol"].get("reuse_needs_model", []) \
-                or model_fault(path, config) is None:
+                or needs_model(path, result) is None:
             continue
         flat = flatten(config)
         out.append({"path": str(path), "overrides": [
@@ -125,14 +170,15 @@ def status(path: Path) -> str | None:
 
 
 def pending(path: Path) -> str | None:
-    """Why the run still needs training (not finished, or no usable best.pt), or None."""
+    """Why the run still needs training (not finished, or neither a usable best.pt nor this checkout's decoding),
+    or None."""
     try:
         result = json.loads((path / "results.json").read_text())
     except (OSError, ValueError):
         return "the run is without results"
     if result.get("status") != "finished":
         return f"the run is {result.get('status')}"
-    return model_fault(path, result["config"])
+    return needs_model(path, result)
 
 
 def same_figures(path: Path) -> str:
@@ -183,6 +229,27 @@ def keep(source: Path, kept: Path) -> None:
             shutil.copy2(source / name, kept / name)
 
 
+def decode_ended(dir_: Path, runs: Path, kept: Path) -> int:
+    """--decode-ended: each finished run in runs with a usable best.pt whose kept results.json (or its own, not yet
+    kept) holds no decoding by this checkout's rule, decoded with the LM and kept."""
+    todo = []
+    for r in sorted(runs.glob("*/results.json")):
+        result = json.loads(r.read_text())
+        if result.get("status") != "finished" or model_fault(r.parent, result["config"]) is not None:
+            continue
+        mine = kept / r.parent.name / "results.json"
+        if lm_fault(r.parent, json.loads(mine.read_text()) if mine.exists() else result) is not None:
+            todo.append(r.parent)
+    log(dir_, f"{len(todo)} finished runs with their best.pt to decode with the LM by this checkout's rule")
+    if todo:
+        subprocess.run([sys.executable, "-m", "batchrnn.evaluate", "decode", *map(str, todo),
+                        "--data-root", str(dir_ / "data")], check=True)
+        for path in todo:
+            keep(path, kept / path.name)
+        log(dir_, f"kept their {len(todo)} results.json in {kept}: they need their best.pt no more")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="arguments after -- go to python -m batchrnn.report (e.g. --inference FILE)")
@@ -190,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--study", default="an4_cpu_patience", help="the study's folder under DIR/runs (default: %(default)s)")
     p.add_argument("--rows", type=int, help="the verdict's rows: the variants the study was started with")
     p.add_argument("--jobs", type=int, default=2, help="retraining runs at once, 1 thread each (default: %(default)s)")
+    p.add_argument("--decode-ended", action="store_true",
+                   help="only decode with the LM, by this checkout's rule, each finished run that still has its "
+                        "best.pt, and keep it (before the machine goes; the study stopped)")
     argv = sys.argv[1:] if argv is None else argv
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
@@ -197,9 +267,14 @@ def main(argv: list[str] | None = None) -> int:
     runs, kept = dir_ / "runs" / args.study, KEPT / args.study
     if not runs.is_dir():
         p.error(f"{runs} does not exist: give the pinned checkout the study ran in, and its folder with --study")
-    if pids := study_running(dir_):
+    if (pids := study_running(dir_)) and args.decode_ended:
+        p.error(f"the study is running in {dir_} (processes {pids}): stop it first (bash experiments/pinned_study.sh "
+                f"stop {dir_}; it resumes), so that decoding neither slows it nor meets a run it rewrites")
+    if pids:
         p.error(f"the study is still running in {dir_} (processes {pids}): finish it once it has ended (it writes "
                 f"{runs / 'report.md'} then)")
+    if args.decode_ended:
+        return decode_ended(dir_, runs, kept)
     listed = dir_ / LISTED
     if not listed.exists():  # read once from the ended study: a retraining stopped half-way leaves the verdict
         report = report_json(runs)

@@ -18,7 +18,8 @@ kept; the final seeds are taken over where they can be. Most: the rate widens to
 either edge where the grid is not done), is chosen there, and 6/12 and 12/24 both train, so every final seed trains.
 A run's hours: the variant's mean over its runs so far (epochs x median epoch time, as they ran, two 1-thread jobs
 at once), patience's as above. Apart: the tuning runs at the kept rate whose best.pt is no longer in --checkpoints
-(the pinned study's run folders), which train again before the LM decoding (make patience-finish, docs/protocol.md). An estimate
+(the pinned study's run folders) and whose kept results.json holds no LM decoding by today's rule (make
+patience-decode), which train again before the LM decoding (make patience-finish, docs/protocol.md). An estimate
 to plan sessions by, not a measurement.
 """
 import argparse
@@ -28,6 +29,7 @@ from pathlib import Path
 
 from batchrnn.study.protocol import mean_of, protocol_choice, rate, schedule_of, val_wer_for_choice
 from batchrnn.training.identity import variant_key
+from finish_study import needs_model as lm_needs_model  # beside this script
 from batchrnn.training.rundir import read_study
 
 SEEDS, TUNE_SEEDS, DOUBLINGS = range(1, 7), (1, 2), 2
@@ -151,10 +153,11 @@ def left(folder: Path, earlier: Path, checkpoints: Path | None) -> None:
             total[case][0] += n
             total[case][1] += h
             row.append(f"{n} ({h:.1f} h)")
-        # The tuning runs at the rate the fewest case keeps whose best.pt is gone: the LM decodes only what has one,
-        # so these train again at the study's end (make patience-finish); counted apart
+        # The tuning runs at the rate the fewest case keeps that the LM family lacks (finish_study.needs_model: their
+        # best.pt gone, and not decoded by today's rule while they had it): these train again at the study's end
+        # (make patience-finish); counted apart
         rerun = [k for k in done if k[:2] == v and k[2:5] == (lr, True, wait) and needs_model and checkpoints
-                 and not (checkpoints / Path(done[k]["path"]).name / "best.pt").exists()]
+                 and lm_needs_model(checkpoints / Path(done[k]["path"]).name, done[k])]
         now = f"{lr:g} ({100 * means[lr]:.1f})" if chosen is not None else "not tuned yet"
         print(f"| {v[0]}-{v[1]} | {now} | {grid_left} | {row[0]} | {row[1]} | {len(rerun) if checkpoints else '?'} |")
         total["rerun"] = total.get("rerun", 0) + len(rerun)

@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 
 from batchrnn.config import DecodeConfig, to_container
 from batchrnn.data.text import BLANK, INDEX, LABELS, greedy_decode
-from batchrnn.decoding.beam import BeamSearch, DecodeError, LanguageModel, check
+from batchrnn.data.corpus import prepare_corpus
+from batchrnn.decoding.beam import BeamSearch, DecodeError, LanguageModel, check, language_model
 from batchrnn.decoding.lm import BOS, EOS, FALLBACK_DISCOUNT, KneserNey, build
 from batchrnn.decoding import tuning
 from batchrnn.decoding.tuning import tune
@@ -314,8 +315,18 @@ def test_the_hypotheses_are_cached_beside_the_model(runs, monkeypatch):
     other = tuning.decode_run(folder / BEST, narrower, cfg.data)
     assert len(other["grid"]) == 8 and len(list(folder.glob("decode-*.json"))) == 2
     unwidened = OmegaConf.merge(cfg.decode, {"widen": 0})  # the same grid, another rule: another key
-    assert len(tuning.decode_run(folder / BEST, unwidened, cfg.data)["grid"]) == 28
+    plain = tuning.decode_run(folder / BEST, unwidened, cfg.data)
+    assert len(plain["grid"]) == 28
     assert len(list(folder.glob("decode-*.json"))) == 3
+    # the rule each entry records: a run decoded by today's needs its best.pt no more (finish_study.py)
+    lm = language_model(cfg.decode, cfg.data, prepare_corpus(cfg.data))
+    today = tuning.rule(cfg.decode, lm)
+    assert tuning.other_rule(results["lm"], today) is None
+    assert tuning.other_rule(plain, today) == "decoded by another rule (widen 0, not 4)"
+    assert "lm_weights [0.0, 1.0], not [0.0, 0.25," in tuning.other_rule(other, today)
+    assert tuning.other_rule({k: v for k, v in results["lm"].items() if k != "widen"}, today) == \
+        "decoded by another rule (widen None, not 4)", "the pinned commit's entries: no widening, none recorded"
+    assert tuning.other_rule(None, today) == "not decoded with the LM"
 
 
 # -----------------------------------------------------------------------------

@@ -28,10 +28,15 @@ def run_folder(runs: Path, name: str, bn: str, seed: int, status: str = "finishe
     return path
 
 
+TODAY = {"rule": "today"}  # a stand-in `lm` entry decoded by this checkout's rule (the real check: test_decoding)
+
+
 @pytest.fixture(autouse=True)
 def best_pt_by_presence(monkeypatch):
-    """A stand-in best.pt is usable where it exists (the real check loads the model)."""
+    """A stand-in best.pt is usable where it exists (the real check loads the model); an `lm` entry is today's
+    decoding where it is TODAY's."""
     monkeypatch.setattr(finish, "model_fault", lambda path, config: None if (path / "best.pt").exists() else "missing")
+    monkeypatch.setattr(finish, "lm_fault", lambda path, result: None if result.get("lm") == TODAY else "not today's")
 
 
 def test_only_the_lm_placements_runs_without_best_pt_train_again_at_their_own_settings(tmp_path):
@@ -44,6 +49,60 @@ def test_only_the_lm_placements_runs_without_best_pt_train_again_at_their_own_se
         "experiment=an4_cpu_patience", "model.rnn=gru", "model.bn=none", "protocol.stage=tune", "seed=1",
         "train.lr=0.0005", "train.spec_augment.enabled=false", "train.plateau_wait=6", "train.patience=12",
         "train.epochs=300", "train.threads=1"]
+
+
+def test_a_run_decoded_by_todays_rule_while_it_had_its_best_pt_does_not_train_again(tmp_path):
+    decoded = run_folder(tmp_path, "none-s3", "none", 3)  # best.pt gone with its machine, decoded before it went
+    result = json.loads((decoded / "results.json").read_text())
+    (decoded / "results.json").write_text(json.dumps(result | {"lm": TODAY}))
+    pinned = run_folder(tmp_path, "none-s4", "none", 4)  # decoded by the pinned commit's rule only: trains again
+    (pinned / "results.json").write_text(json.dumps(result | {"seed": 4, "lm": {"rule": "pinned"}}))
+    todo = finish.to_retrain([{"path": str(p)} for p in (decoded, pinned)])
+    assert [Path(e["path"]).name for e in todo] == ["none-s4"]
+    assert finish.pending(decoded) is None and finish.pending(pinned) == "best.pt missing, not today's"
+
+
+def test_decode_ended_decodes_and_keeps_each_finished_run_with_its_best_pt_not_yet_decoded_today(tmp_path,
+                                                                                                  monkeypatch):
+    dir_, kept = tmp_path / "study", tmp_path / "kept"
+    runs = dir_ / "runs" / "an4_cpu_patience"
+    fresh = run_folder(runs, "gru-none-s3", "none", 3, best=True)  # kept once, greedy and the pinned decoding
+    (kept / "an4_cpu_patience" / fresh.name).mkdir(parents=True)
+    (kept / "an4_cpu_patience" / fresh.name / "results.json").write_text(json.dumps({"lm": {"rule": "pinned"}}))
+    unkept = run_folder(runs, "gru-post-s3", "post", 3, best=True)  # ended since the keeper's last pass
+    done = run_folder(runs, "gru-ln-s3", "ln", 3, best=True)  # decoded today in an earlier call
+    (kept / "an4_cpu_patience" / done.name).mkdir(parents=True)
+    (kept / "an4_cpu_patience" / done.name / "results.json").write_text(json.dumps({"lm": TODAY}))
+    run_folder(runs, "gru-wn-s3", "wn", 3)  # its best.pt gone: nothing to decode with
+    run_folder(runs, "gru-ln_full-s3", "ln_full", 3, status="running", best=True)  # not finished
+    monkeypatch.setattr(finish, "KEPT", kept)
+    monkeypatch.setattr(finish, "study_running", lambda d: [])
+    calls = []
+
+    def fake_decode(cmd, **kwargs):
+        calls.append([str(c) for c in cmd])
+        for p in cmd[cmd.index("decode") + 1:-2]:
+            result = json.loads((Path(p) / "results.json").read_text())
+            (Path(p) / "results.json").write_text(json.dumps(result | {"lm": TODAY}))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(finish.subprocess, "run", fake_decode)
+    assert finish.main([str(dir_), "--decode-ended"]) == 0
+    (decode,) = calls
+    assert decode[-2:] == ["--data-root", str(dir_ / "data")] and decode[-4:-2] == [str(fresh), str(unkept)]
+    for p in (fresh, unkept):
+        assert json.loads((kept / "an4_cpu_patience" / p.name / "results.json").read_text())["lm"] == TODAY
+    assert "2 finished runs with their best.pt to decode" in (dir_ / "commands.log").read_text()
+    calls.clear()
+    assert finish.main([str(dir_), "--decode-ended"]) == 0 and calls == [], "all decoded: nothing to do"
+
+
+def test_decode_ended_refuses_while_the_study_runs(tmp_path, monkeypatch, capsys):
+    (tmp_path / "runs" / "an4_cpu_patience").mkdir(parents=True)
+    monkeypatch.setattr(finish, "study_running", lambda d: [4242])
+    with pytest.raises(SystemExit):
+        finish.main([str(tmp_path), "--decode-ended"])
+    assert "stop it first (bash experiments/pinned_study.sh stop" in capsys.readouterr().err
 
 
 def report(**changes) -> dict:

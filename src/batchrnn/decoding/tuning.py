@@ -14,7 +14,7 @@ import torch
 from batchrnn.config import DataConfig, DecodeConfig, TrainConfig
 from batchrnn.data.corpus import prepare_corpus, sha256
 from batchrnn.data.features import FeatureSet, collate, load_features, make_batches
-from batchrnn.decoding.beam import BeamSearch, check, language_model
+from batchrnn.decoding.beam import BeamSearch, LanguageModel, check, language_model
 from batchrnn.metrics import error_rates
 from batchrnn.progress import progress_bar
 from batchrnn.storage import write_json
@@ -38,6 +38,24 @@ def emissions(model, fs: FeatureSet, batch_size: int, device: torch.device, bf16
         for j, (i, n) in enumerate(zip(indices, out_lens.tolist())):
             out[i] = log_probs[:n, j]
     return out
+
+
+def rule(cfg: DecodeConfig, lm: LanguageModel | None = None) -> dict:
+    """How this code decodes at cfg with lm, as results.json's `lm` entry records it: two entries of one rule differ
+    only by their models (the beam, the grid and its widening, and the LM and lexicon where lm is given: without
+    it, a check that needs no corpus)."""
+    return {"beam_size": cfg.beam_size, "lm_weights": [float(a) for a in cfg.lm_weights],
+            "word_scores": [float(b) for b in cfg.word_scores], "widen": cfg.widen} | (
+        {"lm_sha256": lm.sha256, "lexicon_words": len(lm.words)} if lm else {})
+
+
+def other_rule(entry: dict | None, today: dict) -> str | None:
+    """What makes a results.json `lm` entry other than a decoding by the rule `today` (rule()), or None: a run
+    decoded by it needs no decoding again, so its best.pt may go (a study's runs on a machine that is gone)."""
+    if not entry:
+        return "not decoded with the LM"
+    differ = [f"{k} {entry.get(k)!r}, not {v!r}" for k, v in today.items() if entry.get(k) != v]
+    return f"decoded by another rule ({'; '.join(differ)})" if differ else None
 
 
 def grid(cfg: DecodeConfig) -> list[tuple[float, float]]:
@@ -137,9 +155,7 @@ def decode_run(checkpoint: Path, cfg: DecodeConfig, data: DataConfig | None = No
     search = BeamSearch(lm, cfg.beam_size)
     result = tune(search, (e["val"], sets["val"].texts), (e["test"], sets["test"].texts, sets["test"].ids),
                   cfg.lm_weights, cfg.word_scores, cfg.widen, progress)
-    result = {"lm": lm.path.name, "lm_sha256": lm.sha256, "lm_built": lm.built, "lexicon_words": len(lm.words),
-              "beam_size": cfg.beam_size, "lm_weights": list(map(float, cfg.lm_weights)),
-              "word_scores": list(map(float, cfg.word_scores)), **result}
+    result = {"lm": lm.path.name, "lm_built": lm.built, **rule(cfg, lm), **result}
     result["seconds"]["emissions"] = seconds
     write_json(cache, result)
     return result

@@ -60,16 +60,10 @@ def log(dir_: Path, line: str) -> None:
 
 
 def study_running(dir_: Path) -> list[int]:
-    """The `python -m batchrnn.study` processes whose working directory is dir_ (as pinned_study.sh stop finds them)."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and b"batchrnn.study" in (proc / "cmdline").read_bytes() \
-                    and Path(os.readlink(proc / "cwd")) == dir_.resolve():
-                pids.append(int(proc.name))
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-    return pids
+    """The study's processes in dir_, as pinned_study.sh finds them (and stops them)."""
+    out = subprocess.run(["bash", str(MAIN / "experiments" / "pinned_study.sh"), "running", str(dir_)],
+                         capture_output=True, text=True, check=True).stdout
+    return [int(pid) for pid in out.split()]
 
 
 def unfinished(report: dict, rows: int | None = None) -> list[str]:

@@ -5,6 +5,7 @@
 #        bash experiments/pinned_study.sh COMMIT [DIR] -- OVERRIDES...   the same, running `python -m batchrnn.study
 #                                                                        OVERRIDES` instead of `make studies`
 #        bash experiments/pinned_study.sh stop [DIR]                     SIGTERM: every run stops at its last epoch
+#        bash experiments/pinned_study.sh running [DIR]                  the study's processes there, one pid a line
 # What it does, each step skipped where already done:
 #   1. `git worktree add DIR COMMIT` (refused if DIR holds another commit: a study keeps one commit), and
 #      `make venv` there (its own .venv: a shared one is an editable install of whichever checkout ran make last);
@@ -19,7 +20,7 @@
 # Logs: DIR/study.log (the study), DIR/keep.log (the results kept), DIR/commands.log (what ran, when, at which commit).
 set -euo pipefail
 MAIN="$(cd "$(dirname "$0")/.." && pwd)"
-USAGE="usage: pinned_study.sh COMMIT [DIR] [-- STUDY OVERRIDES...] | stop [DIR]"
+USAGE="usage: pinned_study.sh COMMIT [DIR] [-- STUDY OVERRIDES...] | stop [DIR] | running [DIR]"
 ACTION="${1:?$USAGE}"
 shift
 DIR="$MAIN/../study"
@@ -31,12 +32,17 @@ if [ $# -gt 0 ]; then
   shift
   [ $# -gt 0 ] || { echo "error: nothing after --: give the study's overrides (python -m batchrnn.study's)," \
                          "or leave out -- to run make studies" >&2; exit 2; }
-  [ "$ACTION" != stop ] || { echo "error: stop takes no overrides; $USAGE" >&2; exit 2; }
+  [ "$ACTION" != stop ] && [ "$ACTION" != running ] || { echo "error: $ACTION takes no overrides; $USAGE" >&2
+                                                          exit 2; }
   STUDY=("$@")
 fi
 in_dir() {  # the processes running $1 whose working directory is DIR
   for pid in $(pgrep -f "$1" || true); do [ "$(readlink "/proc/$pid/cwd")" != "$DIR" ] || echo "$pid"; done
 }
+if [ "$ACTION" = running ]; then  # what finish_study.py asks before it touches DIR's runs
+  in_dir "python -m batchrnn.study"
+  exit 0
+fi
 if [ "$ACTION" = stop ]; then
   pids="$(in_dir "python -m batchrnn.study")"
   [ -z "$pids" ] || { kill -TERM $pids; echo "study: stopped ($pids); its runs resume from their last epoch"; }

@@ -137,6 +137,7 @@ def study(tmp_path, monkeypatch):
         (kept / "an4_cpu_patience" / p.name).mkdir(parents=True)
         (kept / "an4_cpu_patience" / p.name / "results.json").write_text("{}")
     monkeypatch.setattr(finish, "KEPT", kept)
+    monkeypatch.setattr(finish, "study_running", lambda d: [])  # tests/test_pinned_study.py checks the real one
     reports = []
     monkeypatch.setattr(finish, "report_json", lambda runs_dir: reports.append(1) or report(
         verdict_runs=[{"path": str(p)} for p in paths]))

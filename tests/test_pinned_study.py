@@ -1,5 +1,5 @@
-"""experiments/pinned_study.sh: a study keeps one commit; overrides after -- run that study; `stop` with nothing
-running does nothing."""
+"""experiments/pinned_study.sh: a study keeps one commit; overrides after -- run that study; `running` names the
+study's processes in its folder and `stop` stops them, or does nothing."""
 import subprocess
 import time
 
@@ -91,3 +91,34 @@ def test_a_stray_argument_or_an_empty_double_dash_is_refused(tmp_path):
     assert empty.returncode == 2 and "nothing after --" in empty.stderr
     stop = subprocess.run([*script, "stop", "--", "x"], capture_output=True, text=True, timeout=60)
     assert stop.returncode == 2 and "stop takes no overrides" in stop.stderr
+
+
+def test_running_names_the_study_processes_in_the_folder_and_stop_stops_them(tmp_path):
+    """A stand-in study (sleep, named as the study's command) in one folder and another elsewhere: `running` and
+    finish_study.py's check name the first only, and `stop` ends it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("finish_study", ROOT / "experiments" / "finish_study.py")
+    finish = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(finish)
+    study, elsewhere = tmp_path / "study", tmp_path / "elsewhere"
+    study.mkdir()
+    elsewhere.mkdir()
+    fake = ["bash", "-c", 'exec -a "python -m batchrnn.study" sleep 60']
+    procs = [subprocess.Popen(fake, cwd=d) for d in (study, elsewhere)]
+    try:
+        script = ["bash", str(ROOT / "experiments" / "pinned_study.sh")]
+        for _ in range(50):  # until exec has renamed it
+            running = subprocess.run([*script, "running", str(study)], capture_output=True, text=True, timeout=60)
+            if running.stdout:
+                break
+            time.sleep(0.1)
+        assert running.returncode == 0 and running.stdout.split() == [str(procs[0].pid)]
+        assert finish.study_running(study) == [procs[0].pid]
+        stop = subprocess.run([*script, "stop", str(study)], capture_output=True, text=True, timeout=60)
+        assert f"study: stopped ({procs[0].pid})" in stop.stdout
+        assert procs[0].wait(timeout=30) != 0 and procs[1].poll() is None
+        assert finish.study_running(study) == []
+    finally:
+        for proc in procs:
+            proc.kill()

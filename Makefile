@@ -42,7 +42,7 @@ PATIENCE := experiment=an4_cpu_patience model.rnn=gru,lstm model.bn=none,post,in
 patience-study: ## the patience study from a checkout pinned to COMMIT (default HEAD) in DIR (../study-patience), in the background; run again to resume
 	bash experiments/pinned_study.sh $(or $(COMMIT),HEAD) $(or $(DIR),../study-patience) -- $(PATIENCE)
 
-patience-decode: $(STAMP) ## before the machine goes, the patience study stopped: its finished runs decoded with the LM while their best.pt is here, and kept
+patience-decode: $(STAMP) ## at a session's end, the patience study stopped: finished runs decoded with the LM while best.pt is here
 	$(PY) experiments/finish_study.py $(or $(DIR),../study-patience) --decode-ended
 
 patience-finish: $(STAMP) ## after the patience study's last run: verdict runs without best.pt trained again, LM decoding, results kept, report

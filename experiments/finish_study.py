@@ -7,7 +7,9 @@ command (docs/protocol.md, the patience study's end):
    verdict must have that many rows, the variants the study was started with). Writes down the verdict's runs to
    train again and each variant's choices (DIR/finish-verdict-runs.json), for the calls after a stop.
 2. Trains again each verdict run without a usable best.pt whose placement needs one for the LM family
-   (protocol.reuse_needs_model: runs of early sessions lost it with the checkout), in DIR at its commit, at the
+   (protocol.reuse_needs_model: runs of early sessions lost it with the checkout), unless it was decoded by this
+   checkout's rule while it had one (--decode-ended; the kept results.json's `lm` goes back into DIR's run folder
+   first, since the pinned study rewrites its own there), in DIR at its commit, at the
    run's own settings (rate, SpecAugment, schedule, seed; stage tune, which takes them as given, so that the run
    depends on no other): a finished run afresh (train.rerun=true, its first results kept beside it as
    results-first-training.json), one stopped half-way from its last epoch. Two 1-thread jobs at once; the first
@@ -25,9 +27,9 @@ What ran goes to DIR/commands.log, each retraining's output to DIR/finish-RUN.lo
     python experiments/finish_study.py ../study-patience --decode-ended   (make patience-decode)
 
 Before the machine goes (each session's end, the study stopped): decodes with the word LM, by this checkout's rule,
-every finished run in DIR that has its best.pt and whose kept results.json holds no decoding by that rule, and keeps
-its results.json. A verdict run so decoded needs no retraining at the end, though its best.pt is gone with the
-machine.
+every finished run in DIR that has its best.pt and whose kept results.json holds no decoding by that rule (any
+placement: the decoding costs seconds a run, a retraining an hour), and keeps its results.json. A verdict run so
+decoded needs no retraining at the end, though its best.pt is gone with the machine.
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from batchrnn.storage import write_json
 from batchrnn.training.identity import AUGMENT, LR, SCHEDULE, flatten
 from batchrnn.training.rundir import RunFolder
 
@@ -109,29 +112,54 @@ def today(data_root: str, data: str) -> dict:
 def lm_fault(path: Path, result: dict) -> str | None:
     """What makes the run's results.json `lm` other than this checkout's decoding (none, or another rule's), or None:
     then the run needs its best.pt no more (path: DIR/runs/STUDY/RUN, its data under DIR/data, which the LM's
-    part of the rule reads only where the rest agrees)."""
+    part of the rule reads only where the rest agrees, and never creates)."""
     from batchrnn.config import DecodeConfig
     from batchrnn.decoding.beam import Decoder
     from batchrnn.decoding.tuning import other_rule, rule
 
     if fault := other_rule(result.get("lm"), rule(DecodeConfig(decoder=Decoder.beam))):
         return fault
-    data_root = str(path.resolve().parents[2] / "data")
-    return other_rule(result.get("lm"), today(data_root, json.dumps(result["config"]["data"], sort_keys=True)))
+    data_root = path.resolve().parents[2] / "data"
+    if not data_root.is_dir():  # a new machine before the study's checkout is made: make patience-study makes it
+        return f"its LM unchecked: no {data_root} to build this checkout's LM from"
+    return other_rule(result.get("lm"), today(str(data_root), json.dumps(result["config"]["data"], sort_keys=True)))
 
 
 def needs_model(path: Path, result: dict) -> str | None:
     """Why the finished run still needs a usable best.pt for the LM family (none, and its `lm` not decoded by this
     checkout's rule), or None."""
-    if (fault := model_fault(path, result["config"])) is None:
+    if (fault := model_fault(path, result["config"])) is None or (lm := lm_fault(path, result)) is None:
         return None
-    return None if lm_fault(path, result) is None else f"best.pt {fault}, {lm_fault(path, result)}"
+    return f"best.pt {fault}, {lm}"
+
+
+def same_training(a: dict, b: dict) -> bool:
+    """Whether two results.json of one run folder come from the same training (a copy kept before a retraining is
+    not)."""
+    return all(a.get(k) == b.get(k) for k in ("status", "best_epoch", "best_val_wer", "test_wer", "epochs"))
+
+
+def adopt_kept_lm(dir_: Path, runs: Path, kept: Path) -> None:
+    """Each run of DIR whose kept results.json holds this checkout's decoding, of the same training, and whose own
+    does not (the pinned study writes its own decoding into a finished run it meets again) takes the kept `lm`."""
+    adopted = 0
+    for r in sorted(runs.glob("*/results.json")):
+        mine = kept / r.parent.name / "results.json"
+        if not mine.exists():
+            continue
+        result, kept_result = json.loads(r.read_text()), json.loads(mine.read_text())
+        if same_training(result, kept_result) and lm_fault(r.parent, result) is not None \
+                and lm_fault(r.parent, kept_result) is None:
+            write_json(r, result | {"lm": kept_result["lm"]})
+            adopted += 1
+    if adopted:
+        log(dir_, f"{adopted} runs took back the LM decoding by this checkout's rule from their kept results.json")
 
 
 def to_retrain(verdict_runs: list[dict]) -> list[dict]:
     """{path, overrides} of each verdict run to train again: its placement needs best.pt for the LM
     (protocol.reuse_needs_model), it has no usable one, and it was not decoded by this checkout's rule while it
-    had (--decode-ended). The overrides give the run's own settings, so that it lands in its own folder and depends
+    had one (--decode-ended). The overrides give the run's own settings, so that it lands in its own folder and depends
     on no other run."""
     out = []
     for v in verdict_runs:
@@ -229,18 +257,22 @@ def decode_ended(dir_: Path, runs: Path, kept: Path) -> int:
     todo = []
     for r in sorted(runs.glob("*/results.json")):
         result = json.loads(r.read_text())
-        if result.get("status") != "finished" or model_fault(r.parent, result["config"]) is not None:
-            continue
-        mine = kept / r.parent.name / "results.json"
-        if lm_fault(r.parent, json.loads(mine.read_text()) if mine.exists() else result) is not None:
+        if result.get("status") == "finished" and model_fault(r.parent, result["config"]) is None \
+                and lm_fault(r.parent, result) is not None:  # adopt_kept_lm has run: DIR's copy says it
             todo.append(r.parent)
     log(dir_, f"{len(todo)} finished runs with their best.pt to decode with the LM by this checkout's rule")
-    if todo:
-        subprocess.run([sys.executable, "-m", "batchrnn.evaluate", "decode", *map(str, todo),
-                        "--data-root", str(dir_ / "data")], check=True)
-        for path in todo:
-            keep(path, kept / path.name)
-        log(dir_, f"kept their {len(todo)} results.json in {kept}: they need their best.pt no more")
+    if not todo:
+        return 0
+    code = subprocess.run([sys.executable, "-m", "batchrnn.evaluate", "decode", *map(str, todo),
+                           "--data-root", str(dir_ / "data")]).returncode  # writes each run's as it goes
+    done = [path for path in todo if lm_fault(path, json.loads((path / "results.json").read_text())) is None]
+    for path in done:
+        keep(path, kept / path.name)
+    log(dir_, f"kept {len(done)} of their results.json in {kept}: those runs need their best.pt no more")
+    if left := [path.name for path in todo if path not in done]:
+        log(dir_, f"not decoded by this checkout's rule (exit status {code}, its message above): {', '.join(left)}; "
+                  "run it again")
+        return 1
     return 0
 
 
@@ -267,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     if pids:
         p.error(f"the study is still running in {dir_} (processes {pids}): finish it once it has ended (it writes "
                 f"{runs / 'report.md'} then)")
+    adopt_kept_lm(dir_, runs, kept)
     if args.decode_ended:
         return decode_ended(dir_, runs, kept)
     listed = dir_ / LISTED

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from batchrnn.study.protocol import mean_of, protocol_choice, rate, schedule_of, val_wer_for_choice
 from batchrnn.training.identity import variant_key
+
 from finish_study import needs_model as lm_needs_model  # beside this script
 from batchrnn.training.rundir import read_study
 

@@ -29,6 +29,7 @@ def run_folder(runs: Path, name: str, bn: str, seed: int, status: str = "finishe
 
 
 TODAY = {"rule": "today"}  # a stand-in `lm` entry decoded by this checkout's rule (the real check: test_decoding)
+REAL_LM_FAULT = finish.lm_fault  # before the fixture below stands in for it
 
 
 @pytest.fixture(autouse=True)
@@ -70,9 +71,11 @@ def test_decode_ended_decodes_and_keeps_each_finished_run_with_its_best_pt_not_y
     (kept / "an4_cpu_patience" / fresh.name).mkdir(parents=True)
     (kept / "an4_cpu_patience" / fresh.name / "results.json").write_text(json.dumps({"lm": {"rule": "pinned"}}))
     unkept = run_folder(runs, "gru-post-s3", "post", 3, best=True)  # ended since the keeper's last pass
-    done = run_folder(runs, "gru-ln-s3", "ln", 3, best=True)  # decoded today in an earlier call
-    (kept / "an4_cpu_patience" / done.name).mkdir(parents=True)
-    (kept / "an4_cpu_patience" / done.name / "results.json").write_text(json.dumps({"lm": TODAY}))
+    done = run_folder(runs, "gru-ln-s3", "ln", 3, best=True)  # decoded today in an earlier call, which the pinned
+    (kept / "an4_cpu_patience" / done.name).mkdir(parents=True)  # study then overwrote in its own folder
+    result = json.loads((done / "results.json").read_text())
+    (kept / "an4_cpu_patience" / done.name / "results.json").write_text(json.dumps(result | {"lm": TODAY}))
+    (done / "results.json").write_text(json.dumps(result | {"lm": {"rule": "pinned"}}))
     run_folder(runs, "gru-wn-s3", "wn", 3)  # its best.pt gone: nothing to decode with
     run_folder(runs, "gru-ln_full-s3", "ln_full", 3, status="running", best=True)  # not finished
     monkeypatch.setattr(finish, "KEPT", kept)
@@ -93,8 +96,52 @@ def test_decode_ended_decodes_and_keeps_each_finished_run_with_its_best_pt_not_y
     for p in (fresh, unkept):
         assert json.loads((kept / "an4_cpu_patience" / p.name / "results.json").read_text())["lm"] == TODAY
     assert "2 finished runs with their best.pt to decode" in (dir_ / "commands.log").read_text()
+    assert json.loads((done / "results.json").read_text())["lm"] == TODAY, "the kept decoding taken back"
     calls.clear()
     assert finish.main([str(dir_), "--decode-ended"]) == 0 and calls == [], "all decoded: nothing to do"
+
+
+def test_a_decoding_that_fails_keeps_what_it_decoded_and_names_the_rest(tmp_path, monkeypatch):
+    dir_, kept = tmp_path / "study", tmp_path / "kept"
+    runs = dir_ / "runs" / "an4_cpu_patience"
+    first, second = (run_folder(runs, f"gru-none-s{s}", "none", s, best=True) for s in (3, 4))
+    monkeypatch.setattr(finish, "KEPT", kept)
+    monkeypatch.setattr(finish, "study_running", lambda d: [])
+
+    def decodes_one(cmd, **kwargs):  # the first run written, then a failure
+        result = json.loads((first / "results.json").read_text())
+        (first / "results.json").write_text(json.dumps(result | {"lm": TODAY}))
+        return subprocess.CompletedProcess(cmd, 1)
+
+    monkeypatch.setattr(finish.subprocess, "run", decodes_one)
+    assert finish.main([str(dir_), "--decode-ended"]) == 1
+    assert json.loads((kept / "an4_cpu_patience" / first.name / "results.json").read_text())["lm"] == TODAY
+    assert not (kept / "an4_cpu_patience" / second.name).exists()
+    assert "not decoded by this checkout's rule (exit status 1, its message above): gru-none-s4; run it again" in \
+        (dir_ / "commands.log").read_text()
+
+
+def test_a_kept_decoding_of_another_training_is_not_taken_back(tmp_path, monkeypatch):
+    dir_, kept = tmp_path / "study", tmp_path / "kept"
+    path = run_folder(dir_ / "runs" / "an4_cpu_patience", "gru-none-s3", "none", 3)  # trained again since
+    (kept / "an4_cpu_patience" / path.name).mkdir(parents=True)
+    result = json.loads((path / "results.json").read_text())
+    (kept / "an4_cpu_patience" / path.name / "results.json").write_text(json.dumps(result | {"test_wer": 0.2,
+                                                                                              "lm": TODAY}))
+    monkeypatch.setattr(finish, "KEPT", kept)
+    finish.adopt_kept_lm(dir_, dir_ / "runs" / "an4_cpu_patience", kept / "an4_cpu_patience")
+    assert "lm" not in json.loads((path / "results.json").read_text())
+
+
+def test_the_rule_check_needs_no_corpus_for_another_rule_and_never_makes_the_study_folder(tmp_path):
+    path = tmp_path / "study" / "runs" / "an4_cpu_patience" / "gru-none-s1"  # a new machine: no study folder yet
+    config = {"data": {"corpus": "an4"}}
+    pinned = {"beam_size": 50, "lm_weights": [0.0, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0], "word_scores": [-1.0, 0.0, 1.0, 2.0]}
+    assert REAL_LM_FAULT(path, {"config": config, "lm": pinned}) == "decoded by another rule (widen None, not 4)"
+    assert REAL_LM_FAULT(path, {"config": config}) == "not decoded with the LM"
+    fault = REAL_LM_FAULT(path, {"config": config, "lm": pinned | {"widen": 4}})
+    assert fault == f"its LM unchecked: no {tmp_path / 'study' / 'data'} to build this checkout's LM from"
+    assert not (tmp_path / "study").exists()
 
 
 def test_decode_ended_refuses_while_the_study_runs(tmp_path, monkeypatch, capsys):

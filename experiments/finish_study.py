@@ -95,17 +95,24 @@ def model_fault(path: Path, config: dict) -> str | None:
     return RunFolder(path).best_fault(config)
 
 
+def decoding():
+    """The settings python -m batchrnn.evaluate decode runs with here: the schema's beam and grid, the built 3-gram."""
+    from batchrnn.config import DecodeConfig
+    from batchrnn.decoding.beam import Decoder
+
+    return DecodeConfig(decoder=Decoder.beam)
+
+
 @functools.cache
 def today(data_root: str, data: str) -> dict:
-    """This checkout's LM decoding rule (python -m batchrnn.evaluate decode's: the schema's beam and grid, the
-    3-gram built from the study's training transcripts under data_root), for runs of these data settings."""
-    from batchrnn.config import DecodeConfig
+    """This checkout's LM decoding rule (decoding(), the 3-gram built from the study's training transcripts under
+    data_root), for runs of these data settings."""
     from batchrnn.data.corpus import prepare_corpus
-    from batchrnn.decoding.beam import Decoder, language_model
+    from batchrnn.decoding.beam import language_model
     from batchrnn.decoding.tuning import rule
     from batchrnn.evaluate import data_config
 
-    cfg, settings = DecodeConfig(decoder=Decoder.beam), data_config({"config": {"data": json.loads(data)}}, data_root)
+    cfg, settings = decoding(), data_config({"config": {"data": json.loads(data)}}, data_root)
     return rule(cfg, language_model(cfg, settings, prepare_corpus(settings)))
 
 
@@ -113,11 +120,9 @@ def lm_fault(path: Path, result: dict) -> str | None:
     """What makes the run's results.json `lm` other than this checkout's decoding (none, or another rule's), or None:
     then the run needs its best.pt no more (path: DIR/runs/STUDY/RUN, its data under DIR/data, which the LM's
     part of the rule reads only where the rest agrees, and never creates)."""
-    from batchrnn.config import DecodeConfig
-    from batchrnn.decoding.beam import Decoder
     from batchrnn.decoding.tuning import other_rule, rule
 
-    if fault := other_rule(result.get("lm"), rule(DecodeConfig(decoder=Decoder.beam))):
+    if fault := other_rule(result.get("lm"), rule(decoding())):
         return fault
     data_root = path.resolve().parents[2] / "data"
     if not data_root.is_dir():  # a new machine before the study's checkout is made: make patience-study makes it
@@ -128,8 +133,8 @@ def lm_fault(path: Path, result: dict) -> str | None:
 def needs_model(path: Path, result: dict) -> str | None:
     """Why the finished run still needs a usable best.pt for the LM family (none, and its `lm` not decoded by this
     checkout's rule), or None."""
-    if (fault := model_fault(path, result["config"])) is None or (lm := lm_fault(path, result)) is None:
-        return None
+    if (lm := lm_fault(path, result)) is None or (fault := model_fault(path, result["config"])) is None:
+        return None  # the entry's check first: the model's loads best.pt
     return f"best.pt {fault}, {lm}"
 
 
@@ -159,8 +164,8 @@ def adopt_kept_lm(dir_: Path, runs: Path, kept: Path) -> None:
 def to_retrain(verdict_runs: list[dict]) -> list[dict]:
     """{path, overrides} of each verdict run to train again: its placement needs best.pt for the LM
     (protocol.reuse_needs_model), it has no usable one, and it was not decoded by this checkout's rule while it
-    had one (--decode-ended). The overrides give the run's own settings, so that it lands in its own folder and depends
-    on no other run."""
+    had one (--decode-ended). The overrides give the run's own settings, so that it lands in its own folder and
+    depends on no other run."""
     out = []
     for v in verdict_runs:
         path = Path(v["path"])
@@ -257,8 +262,8 @@ def decode_ended(dir_: Path, runs: Path, kept: Path) -> int:
     todo = []
     for r in sorted(runs.glob("*/results.json")):
         result = json.loads(r.read_text())
-        if result.get("status") == "finished" and model_fault(r.parent, result["config"]) is None \
-                and lm_fault(r.parent, result) is not None:  # adopt_kept_lm has run: DIR's copy says it
+        if result.get("status") == "finished" and lm_fault(r.parent, result) is not None \
+                and model_fault(r.parent, result["config"]) is None:  # adopt_kept_lm has run: DIR's copy says it
             todo.append(r.parent)
     log(dir_, f"{len(todo)} finished runs with their best.pt to decode with the LM by this checkout's rule")
     if not todo:

@@ -29,9 +29,9 @@ from pathlib import Path
 
 from batchrnn.study.protocol import mean_of, protocol_choice, rate, schedule_of, val_wer_for_choice
 from batchrnn.training.identity import variant_key
+from batchrnn.training.rundir import read_study
 
 from finish_study import needs_model as lm_needs_model  # beside this script
-from batchrnn.training.rundir import read_study
 
 SEEDS, TUNE_SEEDS, DOUBLINGS = range(1, 7), (1, 2), 2
 
